@@ -1,0 +1,419 @@
+// Copyright (c) Microsoft Corporation.
+// SPDX-License-Identifier: Apache-2.0
+
+// DeepSpeed Team
+
+/*
+CPU implementation of the qgZ quantizer ops: swizzle_quant, quantized_reduction, dequantize and
+dequantize_fp32, with the Python signatures, output shapes, dtypes and numerics of the CUDA binding
+(csrc/quantization/pt_binding.cpp). deepspeed/ops/quantizer/qgz_reference.py states those numerics
+in PyTorch and is the specification this file is tested against, bit for bit.
+
+Layout preconditions are checked in Python before these functions run
+(deepspeed/ops/quantizer/qgz_contract.py, applied by the QuantizerBuilder's loaded module); the
+TORCH_CHECKs here only keep the indexing in bounds.
+
+Work is split over quantization groups with at::parallel_for. A group is processed in blocks of 8
+values, the width of the kernels' 16-byte vectors; with F16C/AVX2 a block is one vector.
+*/
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define QGZ_AVX2 1
+#endif
+
+namespace {
+
+enum class QuantType { Symmetric, Asymmetric };
+
+constexpr int64_t kBlock = 8;  // values per 16-byte fp16 vector
+
+// ---------------------------------------------------------------------------------------------
+// fp16 <-> fp32 over one block of 8 values
+// ---------------------------------------------------------------------------------------------
+
+inline void half_block_to_float(const uint16_t* src, float* dst)
+{
+#ifdef QGZ_AVX2
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#else
+    for (int i = 0; i < kBlock; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+#endif
+}
+
+// Rounds each value to the nearest fp16 (ties to even) and stores the fp16 bits.
+inline void float_block_to_half(const float* src, uint16_t* dst)
+{
+#ifdef QGZ_AVX2
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src), _MM_FROUND_TO_NEAREST_INT));
+#else
+    for (int i = 0; i < kBlock; ++i) dst[i] = c10::detail::fp16_ieee_from_fp32_value(src[i]);
+#endif
+}
+
+// Rounds each value to the nearest fp16 and back, in place.
+inline void round_block_to_half(float* values)
+{
+    uint16_t bits[kBlock];
+    float_block_to_half(values, bits);
+    half_block_to_float(bits, values);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Group statistics and parameters (GroupStats / Params in quantization_utils.h)
+// ---------------------------------------------------------------------------------------------
+
+// Running max and min that skip NaN, as __hmax2/fmaxf do.
+struct Stats {
+    float max = -std::numeric_limits<float>::infinity();
+    float min = std::numeric_limits<float>::infinity();
+
+    void fold_block(const float* v, bool asymmetric)
+    {
+        for (int i = 0; i < kBlock; ++i) {
+            const float x = asymmetric ? v[i] : std::fabs(v[i]);
+            max = x > max ? x : max;
+            min = x < min ? x : min;
+        }
+    }
+
+    // Idle lanes of the launch load zero-filled vectors.
+    void fold_zero()
+    {
+        max = std::max(max, 0.0f);
+        min = std::min(min, 0.0f);
+    }
+};
+
+struct Params {
+    float scale;   // multiplier applied before rounding
+    float offset;  // asymmetric only
+
+    static Params from_stats(const Stats& stats, int num_bits, QuantType type)
+    {
+        const float levels = static_cast<float>(1 << num_bits);
+        if (type == QuantType::Asymmetric) {
+            const float scale = stats.max == stats.min ? 1.0f : levels / (stats.max - stats.min);
+            return {scale, (stats.max + stats.min) / 2};
+        }
+        return {stats.max == 0 ? 1.0f : levels / (2 * stats.max), 0.0f};
+    }
+
+    void store(float* dst, QuantType type) const
+    {
+        dst[0] = 1 / scale;
+        if (type == QuantType::Asymmetric) dst[1] = offset;
+    }
+};
+
+// Quantizes one block: rint((x - offset) * scale), NaN -> 0, clamped to the code range.
+inline void quantize_block(const float* v, const Params& p, QuantType type, int num_bits, int32_t* codes)
+{
+    const float q_max = static_cast<float>((1 << (num_bits - 1)) - 1);
+    const float q_min = -q_max - 1;
+    const float offset = type == QuantType::Asymmetric ? p.offset : 0.0f;
+#ifdef QGZ_AVX2
+    __m256 x = _mm256_loadu_ps(v);
+    if (type == QuantType::Asymmetric) x = _mm256_sub_ps(x, _mm256_set1_ps(offset));
+    x = _mm256_mul_ps(x, _mm256_set1_ps(p.scale));
+    x = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_and_ps(x, _mm256_cmp_ps(x, x, _CMP_ORD_Q));  // NaN -> 0
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(q_min)), _mm256_set1_ps(q_max));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm256_cvtps_epi32(x));
+#else
+    for (int i = 0; i < kBlock; ++i) {
+        float x = v[i];
+        if (type == QuantType::Asymmetric) x -= offset;
+        x = std::nearbyint(x * p.scale);
+        if (std::isnan(x)) x = 0.0f;
+        codes[i] = static_cast<int32_t>(std::min(std::max(x, q_min), q_max));
+    }
+#endif
+}
+
+// Packs 8 codes: one per byte for int8, two per byte for int4 (first in the high nibble).
+inline void pack_block(const int32_t* codes, int num_bits, int8_t* out)
+{
+    if (num_bits == 8) {
+        for (int i = 0; i < kBlock; ++i) out[i] = static_cast<int8_t>(codes[i]);
+        return;
+    }
+    for (int i = 0; i < kBlock / 2; ++i) {
+        const uint32_t high = static_cast<uint32_t>(codes[2 * i]) & 0xF;
+        const uint32_t low = static_cast<uint32_t>(codes[2 * i + 1]) & 0xF;
+        out[i] = static_cast<int8_t>(static_cast<uint8_t>((high << 4) | low));
+    }
+}
+
+// Dequantizes the 8 values packed at `in` (8 or 4 bytes) to fp32: q * scale, or fma(q, scale,
+// offset) for asymmetric parameters (nvcc contracts the multiply-add into one rounding).
+inline void dequantize_block(const int8_t* in, const float* params, QuantType type, int num_bits, float* out)
+{
+    float codes[kBlock];
+    if (num_bits == 8) {
+        for (int i = 0; i < kBlock; ++i) codes[i] = static_cast<float>(in[i]);
+    } else {
+        for (int i = 0; i < kBlock / 2; ++i) {
+            const int32_t byte = static_cast<int32_t>(in[i]);  // sign-extended
+            codes[2 * i] = static_cast<float>(byte >> 4);
+            const int32_t low = byte & 0xF;
+            codes[2 * i + 1] = static_cast<float>(low >= 8 ? low - 16 : low);
+        }
+    }
+    const float scale = params[0];
+    if (type == QuantType::Asymmetric) {
+        for (int i = 0; i < kBlock; ++i) out[i] = std::fma(codes[i], scale, params[1]);
+    } else {
+        for (int i = 0; i < kBlock; ++i) out[i] = codes[i] * scale;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch geometry, for the statistics' idle lanes (see qgz_contract.py)
+// ---------------------------------------------------------------------------------------------
+
+int64_t next_pow2(int64_t v)
+{
+    int64_t p = 1;
+    while (p < v) p <<= 1;
+    return p;
+}
+
+bool swizzle_has_idle_lanes(int64_t elems_per_group)
+{
+    const int64_t threads =
+        std::min<int64_t>(std::max<int64_t>(next_pow2((elems_per_group + 15) / 16), 32), 512);
+    const int64_t chunks = threads < 512 ? 2 : 2 * ((elems_per_group + threads * 16 - 1) / (threads * 16));
+    return threads * chunks * kBlock > elems_per_group;
+}
+
+bool reduce_has_idle_lanes(int64_t bytes_per_group, int num_bits)
+{
+    const int64_t load = num_bits == 4 ? 4 : 8;
+    const int64_t threads = std::min<int64_t>(next_pow2((bytes_per_group + load - 1) / load), 1024);
+    int64_t chunks = (bytes_per_group + threads * load - 1) / (threads * load);
+    if (chunks >= 4) chunks += chunks % 2;
+    return threads * chunks * kBlock > bytes_per_group * (8 / num_bits);
+}
+
+int64_t param_width(QuantType type) { return type == QuantType::Asymmetric ? 2 : 1; }
+
+void check_bits(int num_bits) { TORCH_CHECK(num_bits == 4 || num_bits == 8, "num_bits must be 4 or 8, got ", num_bits); }
+
+// Quantizes `elems` fp32 values (holding fp16 values) as one group, writing packed codes and params.
+void quantize_group(const float* values,
+                    int64_t elems,
+                    bool idle_lanes,
+                    int num_bits,
+                    QuantType type,
+                    int8_t* out,
+                    float* params_out)
+{
+    Stats stats;
+    for (int64_t i = 0; i < elems; i += kBlock) stats.fold_block(values + i, type == QuantType::Asymmetric);
+    if (idle_lanes) stats.fold_zero();
+    const Params params = Params::from_stats(stats, num_bits, type);
+    params.store(params_out, type);
+
+    const int64_t bytes_per_block = kBlock * num_bits / 8;
+    int32_t codes[kBlock];
+    for (int64_t i = 0; i < elems; i += kBlock) {
+        quantize_block(values + i, params, type, num_bits, codes);
+        pack_block(codes, num_bits, out + (i / kBlock) * bytes_per_block);
+    }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> swizzle_quant(at::Tensor& input,
+                                      int groups,
+                                      int num_bits,
+                                      QuantType type,
+                                      int pipeline_size,
+                                      int nodes,
+                                      int devices_per_node)
+{
+    check_bits(num_bits);
+    TORCH_CHECK(input.scalar_type() == at::kHalf && input.is_contiguous(),
+                "swizzle_quant: input must be a contiguous float16 tensor");
+    const int64_t numel = input.numel();
+    const int64_t partitions = static_cast<int64_t>(nodes) * devices_per_node;
+    TORCH_CHECK(groups > 0 && partitions > 0 && pipeline_size > 0 && numel % groups == 0 &&
+                    groups % (partitions * pipeline_size) == 0 && (numel / groups) % kBlock == 0,
+                "swizzle_quant: layout outside the kernel contract");
+    const int64_t elems = numel / groups;
+    const int64_t per_stage = groups / (partitions * pipeline_size);
+    const bool idle_lanes = swizzle_has_idle_lanes(elems);
+    const int64_t bytes_per_group = elems * num_bits / 8;
+
+    auto output = at::empty({numel * num_bits / 8}, input.options().dtype(at::kChar));
+    auto params = at::empty({groups, param_width(type)}, input.options().dtype(at::kFloat));
+    const auto* src = reinterpret_cast<const uint16_t*>(input.data_ptr<at::Half>());
+    auto* dst = output.data_ptr<int8_t>();
+    auto* params_dst = params.data_ptr<float>();
+
+    at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> values(elems);
+        for (int64_t group = begin; group < end; ++group) {
+            // Partition p = n * D + d goes to slot d * N + n; pipeline stages are outermost.
+            const int64_t partition = group / (groups / partitions);
+            const int64_t in_partition = group % (groups / partitions);
+            const int64_t slot = (partition % devices_per_node) * nodes + partition / devices_per_node;
+            const int64_t out_group =
+                ((in_partition / per_stage) * partitions + slot) * per_stage + in_partition % per_stage;
+
+            const uint16_t* group_src = src + group * elems;
+            for (int64_t i = 0; i < elems; i += kBlock) half_block_to_float(group_src + i, values.data() + i);
+            quantize_group(values.data(),
+                           elems,
+                           idle_lanes,
+                           num_bits,
+                           type,
+                           dst + out_group * bytes_per_group,
+                           params_dst + out_group * param_width(type));
+        }
+    });
+    return {output, params};
+}
+
+std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
+                                            at::Tensor& input_scales,
+                                            int in_groups,
+                                            int out_groups,
+                                            int num_bits,
+                                            QuantType type,
+                                            int devices_per_node)
+{
+    check_bits(num_bits);
+    TORCH_CHECK(input.scalar_type() == at::kChar && input.is_contiguous(),
+                "quantized_reduction: input must be a contiguous int8 tensor");
+    TORCH_CHECK(input_scales.scalar_type() == at::kFloat && input_scales.is_contiguous(),
+                "quantized_reduction: scales must be a contiguous float32 tensor");
+    const int64_t numel = input.numel();
+    TORCH_CHECK(devices_per_node > 0 && in_groups > 0 && out_groups > 0 && numel % devices_per_node == 0 &&
+                    in_groups % devices_per_node == 0 && input_scales.numel() == in_groups * param_width(type),
+                "quantized_reduction: layout outside the kernel contract");
+    const int64_t bytes_per_tensor = numel / devices_per_node;
+    const int64_t groups_per_tensor = in_groups / devices_per_node;
+    const int64_t load = num_bits == 4 ? 4 : 8;
+    TORCH_CHECK(bytes_per_tensor % groups_per_tensor == 0 && bytes_per_tensor % out_groups == 0 &&
+                    (bytes_per_tensor / groups_per_tensor) % load == 0 &&
+                    (bytes_per_tensor / out_groups) % load == 0,
+                "quantized_reduction: layout outside the kernel contract");
+    const int64_t bytes_per_in_group = bytes_per_tensor / groups_per_tensor;
+    const int64_t bytes_per_out_group = bytes_per_tensor / out_groups;
+    const int64_t values_per_out_group = bytes_per_out_group * 8 / num_bits;
+    const int64_t bytes_per_block = kBlock * num_bits / 8;
+    const bool idle_lanes = reduce_has_idle_lanes(bytes_per_out_group, num_bits);
+
+    auto sizes = input.sizes().vec();
+    sizes.back() /= devices_per_node;
+    auto output = at::empty(sizes, input.options());
+    auto params = at::empty({out_groups, param_width(type)}, input_scales.options());
+    const int8_t* src = input.data_ptr<int8_t>();
+    const float* scales = input_scales.data_ptr<float>();
+    int8_t* dst = output.data_ptr<int8_t>();
+    float* params_dst = params.data_ptr<float>();
+
+    at::parallel_for(0, out_groups, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> sum(values_per_out_group);
+        float block[kBlock];
+        for (int64_t group = begin; group < end; ++group) {
+            std::fill(sum.begin(), sum.end(), 0.0f);
+            for (int64_t device = 0; device < devices_per_node; ++device) {
+                // Device j's parameters start j * groups_per_tensor floats in, whatever their
+                // width: for asymmetric pairs that reads shifted pairs past device 0, as the CUDA
+                // kernel does (upstream defect, reproduced; qgZ is symmetric).
+                const float* device_scales = scales + device * groups_per_tensor;
+                for (int64_t b = 0; b < values_per_out_group / kBlock; ++b) {
+                    const int64_t offset = group * bytes_per_out_group + b * bytes_per_block;
+                    const int64_t in_group = offset / bytes_per_in_group;
+                    dequantize_block(src + device * bytes_per_tensor + offset,
+                                     device_scales + in_group * param_width(type),
+                                     type,
+                                     num_bits,
+                                     block);
+                    round_block_to_half(block);
+                    float* acc = sum.data() + b * kBlock;
+                    // The fp32 sum of two fp16 values is exact, so one rounding is the fp16 add.
+                    for (int i = 0; i < kBlock; ++i) acc[i] += block[i];
+                    round_block_to_half(acc);
+                }
+            }
+            quantize_group(sum.data(),
+                           values_per_out_group,
+                           idle_lanes,
+                           num_bits,
+                           type,
+                           dst + group * bytes_per_out_group,
+                           params_dst + group * param_width(type));
+        }
+    });
+    return {output, params};
+}
+
+template <typename T>
+at::Tensor dequantize(at::Tensor& input, at::Tensor& params, int groups, int num_bits, QuantType type)
+{
+    check_bits(num_bits);
+    TORCH_CHECK(input.scalar_type() == at::kChar && input.is_contiguous(),
+                "dequantize: input must be a contiguous int8 tensor");
+    TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous(),
+                "dequantize: params must be a contiguous float32 tensor");
+    const int64_t total = input.numel() * 8 / num_bits;
+    TORCH_CHECK(groups > 0 && total % groups == 0 && (total / groups) % kBlock == 0 &&
+                    params.numel() == groups * param_width(type),
+                "dequantize: layout outside the kernel contract");
+    const int64_t elems = total / groups;
+    const int64_t bytes_per_block = kBlock * num_bits / 8;
+
+    auto sizes = input.sizes().vec();
+    sizes.back() *= 8 / num_bits;
+    constexpr bool to_half = std::is_same<T, at::Half>::value;
+    auto output = at::empty(sizes, input.options().dtype(to_half ? at::kHalf : at::kFloat));
+    const int8_t* src = input.data_ptr<int8_t>();
+    const float* group_params = params.data_ptr<float>();
+    T* dst = output.data_ptr<T>();
+
+    at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+        float block[kBlock];
+        for (int64_t group = begin; group < end; ++group) {
+            for (int64_t i = 0; i < elems; i += kBlock) {
+                const int64_t index = group * elems + i;
+                dequantize_block(src + index / kBlock * bytes_per_block,
+                                 group_params + group * param_width(type),
+                                 type,
+                                 num_bits,
+                                 block);
+                if constexpr (to_half) {
+                    float_block_to_half(block, reinterpret_cast<uint16_t*>(dst + index));
+                } else {
+                    std::copy(block, block + kBlock, dst + index);
+                }
+            }
+        }
+    });
+    return output;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    pybind11::enum_<QuantType>(m, "QuantizationType")
+        .value("Symmetric", QuantType::Symmetric)
+        .value("Asymmetric", QuantType::Asymmetric)
+        .export_values();
+    m.def("swizzle_quant", &swizzle_quant, "Quantize and swizzle groups for the qgZ all-to-all (CPU)");
+    m.def("quantized_reduction", &quantized_reduction, "Dequantize, sum over devices, requantize (CPU)");
+    m.def("dequantize", &dequantize<at::Half>, "Dequantize to float16 (CPU)");
+    m.def("dequantize_fp32", &dequantize<float>, "Dequantize to float32 (CPU)");
+}

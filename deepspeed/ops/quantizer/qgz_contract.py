@@ -1,0 +1,235 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""
+The layout contract of the qgZ quantizer kernels: swizzle_quant, quantized_reduction, dequantize.
+
+The CUDA kernels (csrc/quantization/swizzled_quantize.cu, quant_reduce.cu, dequantize.cu) check
+none of their size assumptions. A layout outside them does not fail: groups that do not divide
+evenly are dropped, 16-byte vectors that straddle a group read and overwrite the neighbour, and a
+group larger than the unroll tables launches no kernel at all. This module is the one place those
+assumptions are written down. The CPU op refuses any call that breaks them, the pure-PyTorch
+reference does the same, and the qgZ layout (deepspeed/runtime/comm/quantized_layout.py) satisfies
+them by construction, which its property test checks against the functions below.
+
+Every ``*_violations`` function returns a list of human-readable violations (empty when the call is
+valid), each naming the condition and the values involved.
+"""
+
+from typing import List
+
+# Each CUDA thread moves one 16-byte vector: 8 fp16 values.
+VECTOR_ELEMS = 8
+
+# swizzled_quant_kernel: threads = clamp(next_pow2(ceil(elems / 16)), 32, 512); at 512 threads the
+# unroll table stops at 10 chunks of 512 x 8 values, so larger groups launch nothing.
+SWIZZLE_MAX_THREADS = 512
+SWIZZLE_MIN_THREADS = 32
+SWIZZLE_MAX_UNROLL = 10
+SWIZZLE_MAX_GROUP_ELEMS = SWIZZLE_MAX_THREADS * SWIZZLE_MAX_UNROLL * VECTOR_ELEMS  # 40960
+
+# dequant_reduce: one block of at most 1024 threads per output group, each thread loading
+# `load_bytes` (4 bytes = 8 int4 values, or 8 bytes = 8 int8 values) per chunk, at most 12 chunks.
+REDUCE_MAX_THREADS = 1024
+REDUCE_MAX_UNROLL = 12
+
+SUPPORTED_BITS = (4, 8)
+INT32_MAX = 2**31 - 1
+
+
+def next_pow2(value: int) -> int:
+    return 1 if value <= 1 else 1 << (value - 1).bit_length()
+
+
+def values_per_byte(num_bits: int) -> int:
+    return 8 // num_bits
+
+
+def reduce_load_bytes(num_bits: int) -> int:
+    """Bytes one dequant_reduce thread loads per chunk (8 values either way)."""
+    return 4 if num_bits == 4 else 8
+
+
+def reduce_max_group_elems(num_bits: int) -> int:
+    return REDUCE_MAX_THREADS * REDUCE_MAX_UNROLL * reduce_load_bytes(num_bits) * values_per_byte(num_bits)
+
+
+def swizzle_launch(elems_per_group: int):
+    """(threads, chunks per thread) of swizzled_quant_kernel for a group size; chunks is None if
+    the launcher has no kernel for it."""
+    threads = next_pow2(-(-elems_per_group // (2 * VECTOR_ELEMS)))
+    threads = min(max(threads, SWIZZLE_MIN_THREADS), SWIZZLE_MAX_THREADS)
+    if threads < SWIZZLE_MAX_THREADS:
+        return threads, 2
+    chunks = 2 * -(-elems_per_group // (threads * 2 * VECTOR_ELEMS))
+    return threads, (chunks if chunks <= SWIZZLE_MAX_UNROLL else None)
+
+
+def swizzle_stat_slots(elems_per_group: int) -> int:
+    """Values a swizzle_quant block folds into its group statistics: lanes past the group load
+    zeros, so when this exceeds the group size a zero takes part in the absmax (or min/max)."""
+    threads, chunks = swizzle_launch(elems_per_group)
+    return threads * chunks * VECTOR_ELEMS
+
+
+def reduce_stat_slots(bytes_per_out_group: int, num_bits: int) -> int:
+    """Like swizzle_stat_slots, for quantized_reduction's output groups."""
+    threads, chunks = reduce_launch(bytes_per_out_group, num_bits)
+    return threads * chunks * VECTOR_ELEMS
+
+
+def reduce_launch(bytes_per_out_group: int, num_bits: int):
+    """(threads, chunks per thread) of dequant_reduce for an output group; chunks is None if the
+    launcher has no kernel for it."""
+    load = reduce_load_bytes(num_bits)
+    threads = min(next_pow2(-(-bytes_per_out_group // load)), REDUCE_MAX_THREADS)
+    chunks = -(-bytes_per_out_group // (threads * load))
+    if chunks >= 4:
+        chunks += chunks % 2
+    return threads, (chunks if chunks <= REDUCE_MAX_UNROLL else None)
+
+
+def _common(num_bits) -> List[str]:
+    problems = []
+    if num_bits not in SUPPORTED_BITS:
+        problems.append(f"num_bits must be one of {SUPPORTED_BITS}, got {num_bits}")
+    return problems
+
+
+def swizzle_quant_violations(numel: int, groups: int, num_bits: int, pipeline_size: int, nodes: int,
+                             devices_per_node: int) -> List[str]:
+    problems = _common(num_bits)
+    partitions = nodes * devices_per_node
+    if nodes < 1 or devices_per_node < 1:
+        problems.append(f"nodes ({nodes}) and devices_per_node ({devices_per_node}) must be >= 1")
+        return problems
+    if groups < 1:
+        problems.append(f"groups must be >= 1, got {groups}")
+        return problems
+    if numel > INT32_MAX:
+        problems.append(f"numel {numel} exceeds the kernels' int32 indexing ({INT32_MAX})")
+    if numel % groups:
+        problems.append(f"numel {numel} is not divisible by groups {groups}: the trailing "
+                        f"{numel % groups} elements would be dropped")
+    if groups % partitions:
+        problems.append(f"groups {groups} is not divisible by nodes x devices_per_node = {nodes} x "
+                        f"{devices_per_node} = {partitions}")
+    elif pipeline_size < 1 or (groups // partitions) % pipeline_size:
+        problems.append(f"groups per partition {groups // partitions} is not divisible by "
+                        f"pipeline_size {pipeline_size}")
+    elems_per_group = numel // groups
+    if elems_per_group == 0 or elems_per_group % VECTOR_ELEMS:
+        problems.append(f"elements per group {elems_per_group} (numel {numel} / groups {groups}) is not a "
+                        f"positive multiple of the {VECTOR_ELEMS}-value vector width")
+    elif swizzle_launch(elems_per_group)[1] is None:
+        problems.append(f"elements per group {elems_per_group} exceeds swizzle_quant's largest launch "
+                        f"({SWIZZLE_MAX_GROUP_ELEMS})")
+    return problems
+
+
+def quantized_reduction_violations(numel: int, scales_numel: int, in_groups: int, out_groups: int, num_bits: int,
+                                   scale_elems: int, devices_per_node: int) -> List[str]:
+    """`numel` is the int8 input's numel (bytes), holding `devices_per_node` equal tensors."""
+    problems = _common(num_bits)
+    if devices_per_node < 1 or in_groups < 1 or out_groups < 1:
+        problems.append(f"devices_per_node ({devices_per_node}), in_groups ({in_groups}) and out_groups "
+                        f"({out_groups}) must be >= 1")
+        return problems
+    if problems:
+        return problems
+    if numel > INT32_MAX:
+        problems.append(f"input bytes {numel} exceed the kernels' int32 indexing ({INT32_MAX})")
+    if numel % devices_per_node:
+        problems.append(f"input bytes {numel} are not divisible by devices_per_node {devices_per_node}")
+        return problems
+    if in_groups % devices_per_node:
+        problems.append(f"in_groups {in_groups} is not divisible by devices_per_node {devices_per_node}")
+        return problems
+    if scales_numel != in_groups * scale_elems:
+        problems.append(f"input scales hold {scales_numel} values, expected in_groups x {scale_elems} = "
+                        f"{in_groups * scale_elems}")
+    bytes_per_tensor = numel // devices_per_node
+    groups_per_tensor = in_groups // devices_per_node
+    load = reduce_load_bytes(num_bits)
+    if bytes_per_tensor % groups_per_tensor:
+        problems.append(f"bytes per device {bytes_per_tensor} are not divisible by in-groups per device "
+                        f"{groups_per_tensor}")
+    elif (bytes_per_tensor // groups_per_tensor) % load:
+        problems.append(f"bytes per in-group {bytes_per_tensor // groups_per_tensor} are not a multiple of the "
+                        f"{load}-byte load")
+    if bytes_per_tensor % out_groups:
+        problems.append(f"bytes per device {bytes_per_tensor} are not divisible by out_groups {out_groups}")
+    else:
+        bytes_per_out_group = bytes_per_tensor // out_groups
+        if bytes_per_out_group == 0 or bytes_per_out_group % load:
+            problems.append(f"bytes per out-group {bytes_per_out_group} are not a positive multiple of the "
+                            f"{load}-byte load")
+        elif reduce_launch(bytes_per_out_group, num_bits)[1] is None:
+            problems.append(f"elements per out-group {bytes_per_out_group * values_per_byte(num_bits)} exceed "
+                            f"quantized_reduction's largest launch ({reduce_max_group_elems(num_bits)})")
+    return problems
+
+
+def dequantize_violations(numel: int, params_numel: int, groups: int, num_bits: int, scale_elems: int) -> List[str]:
+    """`numel` is the int8 input's numel (bytes)."""
+    problems = _common(num_bits)
+    if problems:
+        return problems
+    if groups < 1:
+        return [f"groups must be >= 1, got {groups}"]
+    total = numel * values_per_byte(num_bits)
+    if total > INT32_MAX:
+        problems.append(f"output elements {total} exceed the kernels' int32 indexing ({INT32_MAX})")
+    if total % groups:
+        problems.append(f"output elements {total} are not divisible by groups {groups}: the last group would "
+                        f"read parameters past the end")
+    elif (total // groups) % VECTOR_ELEMS or total == 0:
+        problems.append(f"elements per group {total // groups} is not a positive multiple of the "
+                        f"{VECTOR_ELEMS}-value vector width")
+    if params_numel != groups * scale_elems:
+        problems.append(f"params hold {params_numel} values, expected groups x {scale_elems} = {groups * scale_elems}")
+    return problems
+
+
+def require(problems: List[str], op: str) -> None:
+    if problems:
+        raise ValueError(f"{op}: layout outside the quantizer kernels' contract: " + "; ".join(problems))
+
+
+class ContractCheckedQuantizer:
+    """A loaded quantizer op module whose calls are checked against this contract first."""
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.QuantizationType = ops.QuantizationType
+        self.Symmetric = ops.Symmetric
+        self.Asymmetric = ops.Asymmetric
+
+    def _scale_elems(self, quant_type) -> int:
+        return 2 if quant_type == self.Asymmetric else 1
+
+    def swizzle_quant(self, x, groups, num_bits, quant_type, pipeline_size, nodes, devices_per_node):
+        problems = swizzle_quant_violations(x.numel(), groups, num_bits, pipeline_size, nodes, devices_per_node)
+        if str(x.dtype) != "torch.float16":
+            problems.insert(0, f"input must be float16 (the kernels read fp16), got {x.dtype}")
+        require(problems, "swizzle_quant")
+        return self.ops.swizzle_quant(x.contiguous(), groups, num_bits, quant_type, pipeline_size, nodes,
+                                      devices_per_node)
+
+    def quantized_reduction(self, data, scales, in_groups, out_groups, num_bits, quant_type, devices_per_node):
+        require(
+            quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
+                                           self._scale_elems(quant_type), devices_per_node), "quantized_reduction")
+        return self.ops.quantized_reduction(data.contiguous(), scales.contiguous(), in_groups, out_groups, num_bits,
+                                            quant_type, devices_per_node)
+
+    def dequantize(self, data, params, groups, num_bits, quant_type):
+        require(dequantize_violations(data.numel(), params.numel(), groups, num_bits, self._scale_elems(quant_type)),
+                "dequantize")
+        return self.ops.dequantize(data.contiguous(), params.contiguous(), groups, num_bits, quant_type)
+
+    def dequantize_fp32(self, data, params, groups, num_bits, quant_type):
+        require(dequantize_violations(data.numel(), params.numel(), groups, num_bits, self._scale_elems(quant_type)),
+                "dequantize_fp32")
+        return self.ops.dequantize_fp32(data.contiguous(), params.contiguous(), groups, num_bits, quant_type)

@@ -1,0 +1,208 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""
+A readable pure-PyTorch statement of what the qgZ quantizer kernels compute, bit for bit.
+
+Same signatures, argument meanings, output shapes and dtypes as the CUDA binding
+(csrc/quantization/pt_binding.cpp): ``swizzle_quant``, ``quantized_reduction``, ``dequantize`` and
+``dequantize_fp32``. The CPU op (csrc/cpu/quantization/quantizer.cpp) is tested against this module,
+and scripts/gpu_check.sh tests the CUDA kernels against it. It runs on any device.
+
+Numerics, as the kernels define them:
+
+* Inputs are read as fp16. Statistics are folded over the fp16 values; NaN is skipped (``__hmax2``
+  and ``fmaxf`` return the other operand), and when the launch has more lanes than the group has
+  values, the idle lanes contribute zeros (they load zero-filled vectors).
+* Symmetric: ``scale = 2**bits / (2 * absmax)`` (1 when absmax is 0); ``q = clamp(rint(x * scale))``
+  with round-half-to-even, NaN -> 0 and saturation; the stored parameter is ``1 / scale``.
+* Asymmetric: ``scale = 2**bits / (max - min)`` (1 when equal), ``offset = (max + min) / 2``,
+  ``q = clamp(rint((x - offset) * scale))``, parameters ``[1 / scale, offset]``; dequantization is
+  ``fma(q, 1 / scale, offset)`` (nvcc contracts it).
+* int4 packs two values per byte, the first in the high nibble.
+* ``quantized_reduction`` dequantizes each device's chunk to fp16 and sums the chunks in fp16, in
+  device order, starting from +0; then it requantizes the sum.
+
+Non-finite inputs: NaN is quantized to 0 and does not enter the group statistics, so a NaN is lost
+unless its whole group is NaN; a group holding +-inf gets ``scale = 0`` and a stored parameter of
+inf, so it dequantizes to NaN. Callers that must propagate non-finite values (qgZ does) cannot rely
+on the kernels for it.
+
+Where the CUDA build may differ: it is compiled with ``--use_fast_math``, so ``2**bits / (2 * max)``
+and ``1 / scale`` use approximate division (within 2 ulp) and fp32 subnormals flush to zero. This
+module and the CPU op use IEEE division; scripts/gpu_check.sh measures whether that ever shows.
+"""
+
+import torch
+
+from deepspeed.ops.quantizer import qgz_contract as contract
+
+Symmetric = 0
+Asymmetric = 1
+
+
+def _is_asymmetric(quant_type) -> bool:
+    return int(quant_type) == Asymmetric
+
+
+def _scale_elems(quant_type) -> int:
+    return 2 if _is_asymmetric(quant_type) else 1
+
+
+def _fold_max(values: torch.Tensor, padded: bool) -> torch.Tensor:
+    """Row-wise max that skips NaN, starting from -inf, with a zero lane if `padded`."""
+    neg_inf = torch.tensor(float('-inf'), dtype=values.dtype, device=values.device)
+    out = torch.where(torch.isnan(values), neg_inf, values).amax(dim=-1)
+    return out.clamp(min=0) if padded else out
+
+
+def _params(groups: torch.Tensor, num_bits: int, asymmetric: bool, padded: bool):
+    """Per-row (scale, offset) from fp32 rows holding fp16 values, as GroupStats/Params do."""
+    levels = float(1 << num_bits)
+    if asymmetric:
+        gmax = _fold_max(groups, padded)
+        gmin = -_fold_max(-groups, padded)
+        scale = torch.where(gmax == gmin, torch.ones_like(gmax), levels / (gmax - gmin))
+        return scale, (gmax + gmin) / 2
+    absmax = _fold_max(groups.abs(), padded)
+    scale = torch.where(absmax == 0, torch.ones_like(absmax), levels / (2 * absmax))
+    return scale, None
+
+
+def _quantize(groups: torch.Tensor, scale: torch.Tensor, offset, num_bits: int) -> torch.Tensor:
+    """fp32 rows -> int8 codes in [-2**(bits-1), 2**(bits-1) - 1]."""
+    shifted = groups if offset is None else groups - offset.unsqueeze(-1)
+    codes = torch.round(shifted * scale.unsqueeze(-1))  # round half to even, like __float2int_rn
+    codes = torch.nan_to_num(codes, nan=0.0)
+    half = 1 << (num_bits - 1)
+    return codes.clamp(-half, half - 1).to(torch.int8)
+
+
+def _stored_params(scale: torch.Tensor, offset) -> torch.Tensor:
+    stored = torch.reciprocal(scale)
+    return stored.unsqueeze(-1) if offset is None else torch.stack([stored, offset], dim=-1)
+
+
+def _pack(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
+    if num_bits == 8:
+        return codes.reshape(-1)
+    codes = codes.reshape(-1, 2).to(torch.int32)
+    packed = ((codes[:, 0] & 0xF) << 4) | (codes[:, 1] & 0xF)
+    return packed.to(torch.uint8).view(torch.int8)
+
+
+def _unpack(data: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """int8 bytes -> fp32 codes, two per byte for int4 (high nibble first)."""
+    if num_bits == 8:
+        return data.reshape(-1).to(torch.float32)
+    raw = data.reshape(-1).to(torch.int32) & 0xFF
+    high, low = raw >> 4, raw & 0xF
+    codes = torch.stack([high, low], dim=-1).reshape(-1)
+    return torch.where(codes >= 8, codes - 16, codes).to(torch.float32)
+
+
+def _fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c rounded once. a * b is exact in fp64 (a is a small integer); the fp64 sum is
+    rounded to odd, after which rounding to fp32 is correct (53 >= 24 + 2 bits)."""
+    prod, c = a.double() * b.double(), c.double()
+    total = prod + c
+    tail = total - prod
+    err = (prod - (total - tail)) + (c - tail)
+    needs_odd = (err != 0) & ((total.view(torch.int64) & 1) == 0) & torch.isfinite(total)
+    toward = torch.where(err > 0, torch.full_like(total, float('inf')), torch.full_like(total, float('-inf')))
+    total = torch.where(needs_odd, torch.nextafter(total, toward), total)
+    return total.float()
+
+
+def _dequantize_rows(codes: torch.Tensor, params: torch.Tensor, asymmetric: bool) -> torch.Tensor:
+    """fp32 code rows and [rows, 1|2] params -> fp32 values."""
+    if asymmetric:
+        return _fma_fp32(codes, params[:, 0:1], params[:, 1:2])
+    return codes * params[:, 0:1]
+
+
+def swizzle_quant(x: torch.Tensor, groups: int, num_bits: int, quant_type, pipeline_size: int, nodes: int,
+                  devices_per_node: int):
+    """Quantize `groups` equal groups of fp16 `x` and reorder them so that partition p = n * D + d
+    (node n, local rank d) lands in slot d * N + n. Returns (int8 data, fp32 params [groups, 1|2])."""
+    if x.dtype != torch.float16:
+        raise ValueError(f"swizzle_quant: input must be float16 (the kernels read fp16), got {x.dtype}")
+    contract.require(
+        contract.swizzle_quant_violations(x.numel(), groups, num_bits, pipeline_size, nodes, devices_per_node),
+        "swizzle_quant")
+    elems = x.numel() // groups
+    asymmetric = _is_asymmetric(quant_type)
+    rows = x.reshape(groups, elems).float()
+    scale, offset = _params(rows, num_bits, asymmetric, contract.swizzle_stat_slots(elems) > elems)
+    codes = _quantize(rows, scale, offset, num_bits)
+    params = _stored_params(scale, offset)
+
+    per_stage = groups // (nodes * devices_per_node * pipeline_size)
+
+    def swizzle(t):  # [nodes, devices, pipeline, groups per stage, ...] -> [pipeline, devices, nodes, ...]
+        t = t.reshape(nodes, devices_per_node, pipeline_size, per_stage, *t.shape[1:])
+        return t.permute(2, 1, 0, *range(3, t.dim())).reshape(groups, *t.shape[4:])
+
+    return _pack(swizzle(codes), num_bits), swizzle(params).contiguous()
+
+
+def quantized_reduction(data: torch.Tensor, scales: torch.Tensor, in_groups: int, out_groups: int, num_bits: int,
+                        quant_type, devices_per_node: int):
+    """Dequantize `devices_per_node` equal chunks of `data`, sum them in fp16 in chunk order and
+    requantize the sum in `out_groups` groups. Returns (int8 data, fp32 params [out_groups, 1|2])."""
+    asymmetric = _is_asymmetric(quant_type)
+    contract.require(
+        contract.quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
+                                                _scale_elems(quant_type), devices_per_node),
+        "quantized_reduction")
+    per_byte = contract.values_per_byte(num_bits)
+    bytes_per_tensor = data.numel() // devices_per_node
+    values_per_tensor = bytes_per_tensor * per_byte
+    groups_per_tensor = in_groups // devices_per_node
+    flat_params = scales.reshape(-1).float()
+    scale_elems = _scale_elems(quant_type)
+
+    total = torch.zeros(values_per_tensor, dtype=torch.float16, device=data.device)
+    for device in range(devices_per_node):
+        chunk = data.reshape(-1)[device * bytes_per_tensor:(device + 1) * bytes_per_tensor]
+        codes = _unpack(chunk, num_bits).reshape(groups_per_tensor, -1)
+        # The kernel offsets device j's parameters by j * groups_per_tensor floats whatever their
+        # width, so for asymmetric parameters devices past the first read shifted pairs (upstream
+        # defect, reproduced: qgZ itself is symmetric).
+        base = device * groups_per_tensor
+        params = flat_params[base:base + groups_per_tensor * scale_elems].reshape(groups_per_tensor, scale_elems)
+        values = _dequantize_rows(codes, params, asymmetric).half().reshape(-1)
+        # fp32 holds the exact sum of two fp16 values, so rounding it once is the fp16 add.
+        total = (total.float() + values.float()).half()
+
+    out_elems = values_per_tensor // out_groups
+    rows = total.reshape(out_groups, out_elems).float()
+    padded = contract.reduce_stat_slots(bytes_per_tensor // out_groups, num_bits) > out_elems
+    scale, offset = _params(rows, num_bits, asymmetric, padded)
+    out_sizes = list(data.shape)
+    out_sizes[-1] //= devices_per_node
+    packed = _pack(_quantize(rows, scale, offset, num_bits), num_bits)
+    return packed.reshape(out_sizes), _stored_params(scale, offset).contiguous()
+
+
+def _dequantize(data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int, quant_type,
+                dtype: torch.dtype) -> torch.Tensor:
+    asymmetric = _is_asymmetric(quant_type)
+    contract.require(
+        contract.dequantize_violations(data.numel(), params.numel(), groups, num_bits, _scale_elems(quant_type)),
+        "dequantize")
+    codes = _unpack(data, num_bits).reshape(groups, -1)
+    values = _dequantize_rows(codes, params.reshape(groups, -1).float(), asymmetric).to(dtype)
+    out_sizes = list(data.shape)
+    out_sizes[-1] *= contract.values_per_byte(num_bits)
+    return values.reshape(out_sizes)
+
+
+def dequantize(data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int, quant_type) -> torch.Tensor:
+    return _dequantize(data, params, groups, num_bits, quant_type, torch.float16)
+
+
+def dequantize_fp32(data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int,
+                    quant_type) -> torch.Tensor:
+    return _dequantize(data, params, groups, num_bits, quant_type, torch.float32)

@@ -1,0 +1,43 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+
+import os
+from pathlib import Path
+
+from .builder import CPUOpBuilder
+
+
+class QuantizerBuilder(CPUOpBuilder):
+    """The qgZ quantizer ops (swizzle_quant, quantized_reduction, dequantize, dequantize_fp32) for
+    the CPU accelerator, numerically identical to the CUDA QuantizerBuilder's."""
+    BUILD_VAR = "DS_BUILD_QUANTIZER"
+    # Distinct from the CUDA op's name: OpBuilder caches loaded ops by name across builder classes.
+    NAME = "quantizer_cpu"
+
+    def __init__(self, name=None):
+        name = self.NAME if name is None else name
+        super().__init__(name=name)
+
+    def absolute_name(self):
+        return f'deepspeed.ops.quantizer.{self.NAME}_op'
+
+    def sources(self):
+        return ['csrc/cpu/quantization/quantizer.cpp']
+
+    def include_paths(self):
+        return []
+
+    def deepspeed_src_path(self, code_path):
+        # csrc/ sits two levels above this file both in DeepSpeed's source tree (op_builder/cpu/)
+        # and in an installed package (deepspeed/ops/op_builder/cpu/), including the qgZ overlay.
+        if os.path.isabs(code_path):
+            return code_path
+        return os.path.join(Path(__file__).resolve().parents[2], code_path)
+
+    def load(self, verbose=False):
+        """The compiled ops behind the kernel-contract checks, so that a layout the CUDA kernels
+        would mishandle is refused here with the condition and the values."""
+        from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+        return ContractCheckedQuantizer(super().load(verbose))
