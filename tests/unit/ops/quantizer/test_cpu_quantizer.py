@@ -1,0 +1,123 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The CPU quantizer op against the PyTorch reference of the CUDA kernels, bit for bit."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+from deepspeed.ops.quantizer import qgz_contract as contract
+from deepspeed.ops.quantizer import qgz_reference as ref
+
+SPECIALS = [0.0, -0.0, 65504.0, -65504.0, 6e-8, -6e-8, 1e-4, float("inf"), float("-inf"), float("nan")]
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@st.composite
+def layouts(draw):
+    nodes, devices = draw(st.integers(1, 5)), draw(st.integers(1, 4))
+    groups_per_partition = draw(st.integers(1, 3))
+    elems = 8 * draw(st.one_of(st.integers(1, 160), st.sampled_from([511, 512, 513, 1024, 5120])))
+    bits = draw(st.sampled_from([4, 8]))
+    asymmetric = draw(st.booleans())
+    return nodes, devices, groups_per_partition, elems, bits, asymmetric
+
+
+@st.composite
+def fp16_values(draw, numel):
+    seed = draw(st.integers(0, 2**31))
+    magnitude = draw(st.sampled_from([1e-6, 1e-2, 1.0, 300.0, 30000.0]))
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * magnitude).clamp(-65504, 65504)
+    for _ in range(draw(st.integers(0, 6))):
+        x[draw(st.integers(0, numel - 1))] = draw(st.sampled_from(SPECIALS))
+    if draw(st.booleans()):  # a whole group of one value (zeros, ties, NaN...)
+        elems = draw(st.sampled_from([8, 16]))
+        start = draw(st.integers(0, numel // elems - 1)) * elems
+        x[start:start + elems] = draw(st.sampled_from(SPECIALS + [2.5, -3.0]))
+    return x.half()
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout=layouts(), data=st.data())
+def test_ops_match_reference_bit_for_bit(cpu_quantizer, layout, data):
+    op = cpu_quantizer
+    nodes, devices, gpp, elems, bits, asymmetric = layout
+    groups = nodes * devices * gpp
+    assume(groups * elems <= 400_000)
+    x = data.draw(fp16_values(groups * elems))
+    op_type, ref_type = (op.Asymmetric, ref.Asymmetric) if asymmetric else (op.Symmetric, ref.Symmetric)
+
+    q, s = op.swizzle_quant(x, groups, bits, op_type, 1, nodes, devices)
+    rq, rs = ref.swizzle_quant(x, groups, bits, ref_type, 1, nodes, devices)
+    assert same_bits(q, rq) and same_bits(s, rs)
+
+    # qgZ's one-to-one in/out groups, or fewer and larger output groups where the contract allows
+    candidates = [g for g in (groups // devices, groups // devices // gpp) if not contract.quantized_reduction_violations(
+        q.numel(), s.numel(), groups, g, bits, s.shape[1], devices)]
+    out_groups = data.draw(st.sampled_from(candidates))
+    r, rscale = op.quantized_reduction(q, s, groups, out_groups, bits, op_type, devices)
+    rr, rrscale = ref.quantized_reduction(q, s, groups, out_groups, bits, ref_type, devices)
+    assert same_bits(r, rr) and same_bits(rscale, rrscale)
+
+    for fn in ("dequantize", "dequantize_fp32"):
+        assert same_bits(getattr(op, fn)(r, rscale, out_groups, bits, op_type),
+                         getattr(ref, fn)(r, rscale, out_groups, bits, ref_type))
+
+
+Q = object()  # stands for each module's Symmetric
+
+
+@pytest.mark.parametrize("fn_args,message", [
+    (("swizzle_quant", torch.zeros(96, dtype=torch.half), 7, 4, Q, 1, 1, 1), "not divisible by groups 7"),
+    (("swizzle_quant", torch.zeros(96, dtype=torch.half), 4, 4, Q, 1, 3, 1), "nodes x devices_per_node"),
+    (("swizzle_quant", torch.zeros(80, dtype=torch.half), 4, 4, Q, 1, 2, 2), "vector width"),
+    (("swizzle_quant", torch.zeros(49152, dtype=torch.half), 1, 4, Q, 1, 1, 1), "largest launch"),
+    (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 4, Q, 3, 2, 2), "pipeline_size"),
+    (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 3, Q, 1, 2, 2), "num_bits"),
+    (("swizzle_quant", torch.zeros(64, dtype=torch.float32), 4, 4, Q, 1, 2, 2), "float16"),
+    (("quantized_reduction", torch.zeros(60, dtype=torch.int8), torch.ones(6, 1), 6, 3, 4, Q, 4), "devices_per_node 4"),
+    (("quantized_reduction", torch.zeros(12, dtype=torch.int8), torch.ones(6, 1), 6, 3, 4, Q, 2), "4-byte load"),
+    (("quantized_reduction", torch.zeros(48, dtype=torch.int8), torch.ones(5, 1), 6, 3, 4, Q, 2), "scales hold 5"),
+    (("quantized_reduction", torch.zeros(2 * 65536, dtype=torch.int8), torch.ones(2, 1), 2, 1, 4, Q, 2),
+     "largest launch"),
+    (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(3, 1), 3, 4, Q), "not divisible by groups 3"),
+    (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(10, 1), 10, 4, Q), "vector width"),
+    (("dequantize", torch.zeros(16, dtype=torch.int8), torch.ones(3, 1), 2, 4, Q), "params hold 3"),
+])
+def test_contract_violations_are_refused(cpu_quantizer, fn_args, message):
+    name, *args = fn_args
+    for module in (cpu_quantizer, ref):
+        call_args = [module.Symmetric if arg is Q else arg for arg in args]
+        with pytest.raises(ValueError, match=message):
+            getattr(module, name)(*call_args)
+
+
+def test_symmetric_int4_semantics(cpu_quantizer):
+    op = cpu_quantizer
+    x = torch.tensor([1.0, -1.0, 0.5, 0.0625, -0.0625, 0.1875, 0.0, 0.25], dtype=torch.half)
+    q, s = op.swizzle_quant(x, 1, 4, op.Symmetric, 1, 1, 1)
+    assert float(s) == 1 / 8  # stored parameter: 1 / scale, scale = 16 / (2 * absmax)
+    # codes: 8 -> clamped to 7, -8, 4, 0.5 -> 0 (half to even), -0.5 -> -0, 1.5 -> 2, 0, 2; high nibble first
+    assert [b & 0xFF for b in q.tolist()] == [0x78, 0x40, 0x02, 0x02]
+    assert op.dequantize(q, s, 1, 4, op.Symmetric).tolist() == [0.875, -1.0, 0.5, 0.0, 0.0, 0.25, 0.0, 0.25]
+
+
+def test_non_finite_inputs_as_the_kernels_treat_them(cpu_quantizer):
+    """Documented behaviour: NaN is skipped by the absmax and quantized to 0 (lost); a group with an
+    inf gets scale 0, stored parameter inf, and dequantizes to NaN. all_to_all_quant_reduce
+    therefore carries non-finite groups in their scales itself."""
+    op = cpu_quantizer
+    x = torch.tensor([float("nan"), 1.0, -2.0, 0, 0, 0, 0, 0] + [float("inf"), 1.0] + [0] * 6, dtype=torch.half)
+    q, s = op.swizzle_quant(x, 2, 4, op.Symmetric, 1, 1, 1)
+    assert float(s[0]) == 2 / 8 and math.isinf(float(s[1]))
+    out = op.dequantize(q, s, 2, 4, op.Symmetric)
+    assert float(out[0]) == 0.0 and torch.isfinite(out[:8]).all()
+    assert torch.isnan(out[8:]).all()
