@@ -50,9 +50,13 @@ def status(_args):
         print(f"  {kind:8s} {_source_path(installed)}")
     if active:
         import deepspeed.runtime.zero.stage3 as stage3
-        owner = sys.modules[stage3.all_to_all_quant_reduce.__module__].__file__
-        print(f"stage3.all_to_all_quant_reduce from {owner}")
+        import deepspeed.runtime.comm.coalesced_collectives as collectives
+        calls_overlay = stage3.all_to_all_quant_reduce is collectives.all_to_all_quant_reduce
+        print(f"stage3.all_to_all_quant_reduce from {collectives.__file__ if calls_overlay else 'elsewhere (!)'}")
     print("cpu quantizer op: ", end="", flush=True)
+    if not active:
+        print("not available (overlay inactive)")
+        return 0
     try:
         from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder
         start = time.perf_counter()

@@ -1,0 +1,79 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The bug report's reproduction (train.py), unchanged in substance: a 32x32 linear model under
+ZeRO-3, run by three torchrun agents of two processes each. Two changes: the data takes the model's
+dtype (the report's config is fp16, which DeepSpeed's CPU accelerator refuses, so CPU runs use
+bf16), and --steps bounds the run. Rank 0 ends with a QGZ_SUMMARY line of what qgZ did."""
+
+import argparse
+import json
+import os
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+import deepspeed
+import deepspeed.comm as dist
+
+
+class SimpleModel(torch.nn.Module):
+
+    def __init__(self, hidden_dim):
+        super(SimpleModel, self).__init__()
+        self.linear = torch.nn.Linear(hidden_dim, hidden_dim, bias=False)
+        self.cross_entropy_loss = torch.nn.CrossEntropyLoss()
+
+    def forward(self, x, y):
+        hidden1 = self.linear(x)
+        hidden2 = self.linear(hidden1)
+        return self.cross_entropy_loss(hidden2, y)
+
+
+def get_data_loader(model, total_samples, hidden_dim, device, dtype):
+    batch_size = model.train_micro_batch_size_per_gpu()
+    train_data = torch.randn(total_samples, hidden_dim, device=device, dtype=dtype)
+    train_label = torch.empty(total_samples, dtype=torch.long, device=device).random_(hidden_dim)
+    train_dataset = torch.utils.data.TensorDataset(train_data, train_label)
+    sampler = DistributedSampler(train_dataset)
+    return torch.utils.data.DataLoader(train_dataset, batch_size=batch_size, sampler=sampler)
+
+
+def main():
+    rank = int(os.environ['RANK'])
+    torch.random.manual_seed(2222 + rank)
+    parser = argparse.ArgumentParser(description='Dummy Training')
+    parser.add_argument('--steps', type=int, default=10)
+    parser.add_argument('--loss-dir', default=None, help='also write each rank\'s losses to LOSS_DIR/rank{r}.json')
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+
+    hidden_dim = 32
+    model = SimpleModel(hidden_dim)
+    model, _, _, _ = deepspeed.initialize(args=args,
+                                          model=model,
+                                          model_parameters=model.parameters(),
+                                          dist_init_required=True)
+    dtype = next(model.parameters()).dtype
+    data_loader = get_data_loader(model, 256 * 32, hidden_dim, model.device, dtype)
+    losses = []
+    for step, batch in enumerate(data_loader):
+        if step == args.steps:
+            break
+        loss = model(batch[0], batch[1])
+        losses.append(loss.item())
+        print("[{}] STEP {} LOSS: {}".format(dist.get_rank(), step, loss.item()), flush=True)
+        model.backward(loss)
+        model.step()
+
+    from deepspeed.runtime.comm.coalesced_collectives import qgz_accounting
+    if args.loss_dir:
+        with open(os.path.join(args.loss_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"losses": losses, "qgz": vars(qgz_accounting.totals)}, f)
+    if dist.get_rank() == 0:
+        print("QGZ_SUMMARY " + json.dumps(vars(qgz_accounting.totals)), flush=True)
+
+
+if __name__ == '__main__':
+    main()

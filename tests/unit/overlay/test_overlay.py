@@ -1,0 +1,67 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The installed overlay, seen from fresh interpreters started outside the source tree."""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+PROBE = ("import deepspeed.runtime.zero.stage3 as s3, deepspeed.runtime.comm.coalesced_collectives as cc; "
+         "assert s3.all_to_all_quant_reduce is cc.all_to_all_quant_reduce; "
+         "assert s3.reduce_scatter_coalesced is cc.reduce_scatter_coalesced; print(cc.__file__)")
+
+
+def python(code_or_args, **env):
+    args = ["-c", code_or_args] if isinstance(code_or_args, str) else code_or_args
+    with tempfile.TemporaryDirectory() as cwd:
+        result = subprocess.run([sys.executable, *args],
+                                cwd=cwd,
+                                env=dict(os.environ, **env),
+                                capture_output=True,
+                                text=True,
+                                timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_stage3_calls_the_overlay():
+    assert python(PROBE).strip().endswith("deepspeed_qgz/tree/deepspeed/runtime/comm/coalesced_collectives.py")
+
+
+def test_switch_off_loads_upstream():
+    path = python(PROBE, DS_QGZ_OVERLAY="0").strip().splitlines()[-1]
+    assert "deepspeed_qgz" not in path and path.endswith("deepspeed/runtime/comm/coalesced_collectives.py")
+
+
+def test_new_modules_import_beside_upstream():
+    out = python("import deepspeed.ops.op_builder.cpu.quantizer as q, deepspeed.ops.op_builder.cpu.builder as b; "
+                 "print(q.__file__); print(b.__file__)")
+    ours, theirs = out.split()[-2:]
+    assert "deepspeed_qgz" in ours and "deepspeed_qgz" not in theirs
+
+
+def test_status_cli(cpu_quantizer):
+    out = python(["-m", "deepspeed_qgz", "status"])
+    assert "overlay       ACTIVE" in out
+    assert "deepspeed     0.19.8" in out
+    assert "replaces deepspeed/runtime/comm/coalesced_collectives.py" in out
+    assert "adds     op_builder/cpu/quantizer.py" in out
+    assert "adds     csrc/cpu/quantization/quantizer.cpp" in out
+    assert "stage3.all_to_all_quant_reduce from " in out and "deepspeed_qgz/tree" in out
+    assert "cpu quantizer op: builds and loads" in out
+    off = python(["-m", "deepspeed_qgz", "status"], DS_QGZ_OVERLAY="0")
+    assert "overlay       INACTIVE: switched off by DS_QGZ_OVERLAY=0" in off
+
+
+def test_diff_cli_is_a_reviewable_patch():
+    out = python(["-m", "deepspeed_qgz", "diff"])
+    assert "--- a/deepspeed/runtime/comm/coalesced_collectives.py" in out
+    assert "+++ b/deepspeed/runtime/comm/coalesced_collectives.py" in out
+    assert "+def all_to_all_quant_reduce" in out or "def all_to_all_quant_reduce" in out
+    assert "--- /dev/null\n+++ b/op_builder/cpu/quantizer.py" in out
+    assert "--- /dev/null\n+++ b/csrc/cpu/quantization/quantizer.cpp" in out
+    # upstream's silent fallback is gone
+    assert "-            logger.warning(" in out

@@ -1,0 +1,37 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The bug report's reproduction: its train.py and ds config (bf16 for fp16) on three torchrun
+agents x two processes on 127.0.0.1, with zero_quantized_gradients true and false."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+RUNNER = Path(__file__).resolve().parents[3] / "scripts" / "qgz_3x2" / "run.py"
+
+
+def load_runner():
+    spec = importlib.util.spec_from_file_location("qgz_3x2_run", RUNNER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_training_3_nodes_x_2(cpu_quantizer):
+    runner = load_runner()
+    steps = 10
+    qgz_losses, qgz, output = runner.run(runner.HERE / "ds_config_qgz.json", steps)
+    exact_losses, exact, _ = runner.run(runner.HERE / "ds_config_exact.json", steps)
+
+    assert "must match the size of tensor" not in output
+    assert sorted(qgz_losses) == list(range(6))
+    assert all(len(losses) == steps for losses in qgz_losses.values())
+    assert all(math.isfinite(loss) for losses in qgz_losses.values() for loss in losses)
+    # every gradient went through qgZ: no fallback, nothing left to the exact path
+    assert qgz["calls"] == steps and qgz["quantized_tensors"] == steps and qgz["exact_tensors"] == 0
+    assert exact["calls"] == 0
+    for rank, losses in qgz_losses.items():
+        for step, (loss, ref) in enumerate(zip(losses, exact_losses[rank])):
+            assert abs(loss - ref) <= 0.02 * abs(ref), (rank, step, loss, ref)
