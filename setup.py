@@ -42,7 +42,7 @@ class BuildWithOverlay(build_py):
         for source, installed in overlay_files():
             target = build_lib / "deepspeed_qgz" / "tree" / installed
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, target)
+            shutil.copy2(source, target)  # keeps mtimes: a reinstall does not invalidate JIT-built ops
         (build_lib / "deepspeed_qgz.pth").write_text("import deepspeed_qgz._startup\n")
 
 

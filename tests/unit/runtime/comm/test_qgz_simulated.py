@@ -11,6 +11,8 @@ import math
 import torch
 from hypothesis import given, settings, strategies as st
 
+from deepspeed.ops.quantizer import qgz_reference
+from deepspeed.runtime.comm import coalesced_collectives
 from qgz_simulate import simulate_quant_reduce
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -63,3 +65,19 @@ def test_fp16_node_sum_beyond_fp16_range(cpu_quantizer):
         # A group's positive absmax maps to code 8, which the kernels clamp to 7: a constant group
         # comes back as 7/8 of itself at each of the two stages.
         assert ((out[0].float() - 60000 * (7 / 8)**2).abs() <= 32).all()
+
+
+def test_sequence_on_cpu_op_equals_sequence_on_reference(cpu_quantizer, monkeypatch):
+    """The collective's whole kernel sequence gives the same bits on the CPU op as on the
+    reference statement of the CUDA kernels (scripts/gpu_check.py runs the same on the GPU)."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(1031, 7), (5, 3, 11), (2, 2)]
+    for dtype in DTYPES:
+        inputs = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(6)]
+        monkeypatch.setattr(coalesced_collectives, "quantizer_module", cpu_quantizer)
+        on_op, _ = simulate_quant_reduce(inputs, 3, 2)
+        monkeypatch.setattr(coalesced_collectives, "quantizer_module", qgz_reference)
+        on_reference, _ = simulate_quant_reduce(inputs, 3, 2)
+        for rank_op, rank_ref in zip(on_op, on_reference):
+            for a, b in zip(rank_op, rank_ref):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

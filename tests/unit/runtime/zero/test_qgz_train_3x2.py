@@ -9,7 +9,7 @@ import importlib.util
 import math
 from pathlib import Path
 
-RUNNER = Path(__file__).resolve().parents[3] / "scripts" / "qgz_3x2" / "run.py"
+RUNNER = Path(__file__).resolve().parents[4] / "scripts" / "qgz_3x2" / "run.py"
 
 
 def load_runner():
