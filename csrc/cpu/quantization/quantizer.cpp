@@ -14,7 +14,8 @@ Layout preconditions are checked in Python before these functions run
 TORCH_CHECKs here only keep the indexing in bounds.
 
 Work is split over quantization groups with at::parallel_for. A group is processed in blocks of 8
-values, the width of the kernels' 16-byte vectors; with F16C/AVX2 a block is one vector.
+values, the width of the kernels' 16-byte vectors; with F16C/AVX2 a block is one vector. Defining
+QGZ_SCALAR selects the portable path on any machine (the tests build it too).
 */
 
 #include <ATen/Parallel.h>
@@ -23,10 +24,11 @@ values, the width of the kernels' 16-byte vectors; with F16C/AVX2 a block is one
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(QGZ_SCALAR)
 #include <immintrin.h>
 #define QGZ_AVX2 1
 #endif
@@ -73,18 +75,42 @@ inline void round_block_to_half(float* values)
 // Group statistics and parameters (GroupStats / Params in quantization_utils.h)
 // ---------------------------------------------------------------------------------------------
 
-// Running max and min that skip NaN, as __hmax2/fmaxf do.
+// Running max and min that skip NaN, as __hmax2/fmaxf do: a NaN operand yields the other one.
 struct Stats {
+#ifdef QGZ_AVX2
+    __m256 max8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 min8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+#endif
     float max = -std::numeric_limits<float>::infinity();
     float min = std::numeric_limits<float>::infinity();
 
     void fold_block(const float* v, bool asymmetric)
     {
+#ifdef QGZ_AVX2
+        __m256 x = _mm256_loadu_ps(v);
+        if (!asymmetric) x = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);  // |x|
+        // max_ps(a, b) returns b when either is NaN; the accumulators never hold NaN.
+        max8 = _mm256_max_ps(x, max8);
+        min8 = _mm256_min_ps(x, min8);
+#else
         for (int i = 0; i < kBlock; ++i) {
             const float x = asymmetric ? v[i] : std::fabs(v[i]);
             max = x > max ? x : max;
             min = x < min ? x : min;
         }
+#endif
+    }
+
+    // Folds the vector lanes into max/min; call once after the last fold_block.
+    void finish()
+    {
+#ifdef QGZ_AVX2
+        float lanes[kBlock];
+        _mm256_storeu_ps(lanes, max8);
+        for (float x : lanes) max = std::max(max, x);
+        _mm256_storeu_ps(lanes, min8);
+        for (float x : lanes) min = std::min(min, x);
+#endif
     }
 
     // Idle lanes of the launch load zero-filled vectors.
@@ -116,34 +142,42 @@ struct Params {
     }
 };
 
-// Quantizes one block: rint((x - offset) * scale), NaN -> 0, clamped to the code range.
-inline void quantize_block(const float* v, const Params& p, QuantType type, int num_bits, int32_t* codes)
+// Quantizes one block, rint((x - offset) * scale) with NaN -> 0 clamped to the code range, and
+// packs it: one code per byte for int8, two per byte for int4 (the first in the high nibble).
+inline void quantize_block(const float* v, const Params& p, QuantType type, int num_bits, int8_t* out)
 {
     const float q_max = static_cast<float>((1 << (num_bits - 1)) - 1);
     const float q_min = -q_max - 1;
-    const float offset = type == QuantType::Asymmetric ? p.offset : 0.0f;
 #ifdef QGZ_AVX2
     __m256 x = _mm256_loadu_ps(v);
-    if (type == QuantType::Asymmetric) x = _mm256_sub_ps(x, _mm256_set1_ps(offset));
+    if (type == QuantType::Asymmetric) x = _mm256_sub_ps(x, _mm256_set1_ps(p.offset));
     x = _mm256_mul_ps(x, _mm256_set1_ps(p.scale));
     x = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_and_ps(x, _mm256_cmp_ps(x, x, _CMP_ORD_Q));  // NaN -> 0
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(q_min)), _mm256_set1_ps(q_max));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm256_cvtps_epi32(x));
+    const __m256i codes = _mm256_cvtps_epi32(x);
+    if (num_bits == 8) {
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(words, words));
+        return;
+    }
+    // nibble pairs: (even << 4) + odd, summed pairwise within each 128-bit half
+    const __m256i nibbles = _mm256_and_si256(codes, _mm256_set1_epi32(0xF));
+    const __m256i pairs =
+        _mm256_hadd_epi32(_mm256_sllv_epi32(nibbles, _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0)), _mm256_setzero_si256());
+    const __m128i bytes4 = _mm_unpacklo_epi64(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+    const __m128i words = _mm_packus_epi32(bytes4, bytes4);
+    const int32_t packed = _mm_cvtsi128_si32(_mm_packus_epi16(words, words));
+    std::memcpy(out, &packed, sizeof(packed));
 #else
+    int32_t codes[kBlock];
     for (int i = 0; i < kBlock; ++i) {
         float x = v[i];
-        if (type == QuantType::Asymmetric) x -= offset;
+        if (type == QuantType::Asymmetric) x -= p.offset;
         x = std::nearbyint(x * p.scale);
         if (std::isnan(x)) x = 0.0f;
         codes[i] = static_cast<int32_t>(std::min(std::max(x, q_min), q_max));
     }
-#endif
-}
-
-// Packs 8 codes: one per byte for int8, two per byte for int4 (first in the high nibble).
-inline void pack_block(const int32_t* codes, int num_bits, int8_t* out)
-{
     if (num_bits == 8) {
         for (int i = 0; i < kBlock; ++i) out[i] = static_cast<int8_t>(codes[i]);
         return;
@@ -153,12 +187,31 @@ inline void pack_block(const int32_t* codes, int num_bits, int8_t* out)
         const uint32_t low = static_cast<uint32_t>(codes[2 * i + 1]) & 0xF;
         out[i] = static_cast<int8_t>(static_cast<uint8_t>((high << 4) | low));
     }
+#endif
 }
 
 // Dequantizes the 8 values packed at `in` (8 or 4 bytes) to fp32: q * scale, or fma(q, scale,
 // offset) for asymmetric parameters (nvcc contracts the multiply-add into one rounding).
 inline void dequantize_block(const int8_t* in, const float* params, QuantType type, int num_bits, float* out)
 {
+#ifdef QGZ_AVX2
+    __m256i codes;
+    if (num_bits == 8) {
+        codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in)));
+    } else {
+        int32_t packed;
+        std::memcpy(&packed, in, sizeof(packed));
+        // [b0 b0 b1 b1 b2 b2 b3 b3], sign-extended; even lanes keep the high nibble, odd the low.
+        const __m128i bytes = _mm_cvtsi32_si128(packed);
+        codes = _mm256_cvtepi8_epi32(_mm_unpacklo_epi8(bytes, bytes));
+        codes = _mm256_srai_epi32(_mm256_sllv_epi32(codes, _mm256_setr_epi32(24, 28, 24, 28, 24, 28, 24, 28)), 28);
+    }
+    const __m256 values = _mm256_cvtepi32_ps(codes);
+    const __m256 scale = _mm256_set1_ps(params[0]);
+    _mm256_storeu_ps(out,
+                     type == QuantType::Asymmetric ? _mm256_fmadd_ps(values, scale, _mm256_set1_ps(params[1]))
+                                                   : _mm256_mul_ps(values, scale));
+#else
     float codes[kBlock];
     if (num_bits == 8) {
         for (int i = 0; i < kBlock; ++i) codes[i] = static_cast<float>(in[i]);
@@ -176,6 +229,26 @@ inline void dequantize_block(const int8_t* in, const float* params, QuantType ty
     } else {
         for (int i = 0; i < kBlock; ++i) out[i] = codes[i] * scale;
     }
+#endif
+}
+
+// acc = fp16(acc + fp16(dequantized block)): quantized_reduction's per-device step. The fp32 sum
+// of two fp16 values is exact, so rounding it once is the fp16 add.
+inline void accumulate_block(const int8_t* in, const float* params, QuantType type, int num_bits, float* acc)
+{
+    float block[kBlock];
+    dequantize_block(in, params, type, num_bits, block);
+#ifdef QGZ_AVX2
+    const auto to_half_and_back = [](__m256 x) {
+        return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    };
+    const __m256 sum = _mm256_add_ps(_mm256_loadu_ps(acc), to_half_and_back(_mm256_loadu_ps(block)));
+    _mm256_storeu_ps(acc, to_half_and_back(sum));
+#else
+    round_block_to_half(block);
+    for (int i = 0; i < kBlock; ++i) acc[i] += block[i];
+    round_block_to_half(acc);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -221,15 +294,14 @@ void quantize_group(const float* values,
 {
     Stats stats;
     for (int64_t i = 0; i < elems; i += kBlock) stats.fold_block(values + i, type == QuantType::Asymmetric);
+    stats.finish();
     if (idle_lanes) stats.fold_zero();
     const Params params = Params::from_stats(stats, num_bits, type);
     params.store(params_out, type);
 
     const int64_t bytes_per_block = kBlock * num_bits / 8;
-    int32_t codes[kBlock];
     for (int64_t i = 0; i < elems; i += kBlock) {
-        quantize_block(values + i, params, type, num_bits, codes);
-        pack_block(codes, num_bits, out + (i / kBlock) * bytes_per_block);
+        quantize_block(values + i, params, type, num_bits, out + (i / kBlock) * bytes_per_block);
     }
 }
 
@@ -327,27 +399,18 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
 
     at::parallel_for(0, out_groups, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> sum(values_per_out_group);
-        float block[kBlock];
         for (int64_t group = begin; group < end; ++group) {
-            std::fill(sum.begin(), sum.end(), 0.0f);
-            for (int64_t device = 0; device < devices_per_node; ++device) {
-                // Device j's parameters start j * groups_per_tensor floats in, whatever their
-                // width: for asymmetric pairs that reads shifted pairs past device 0, as the CUDA
-                // kernel does (upstream defect, reproduced; qgZ is symmetric).
-                const float* device_scales = scales + device * groups_per_tensor;
-                for (int64_t b = 0; b < values_per_out_group / kBlock; ++b) {
-                    const int64_t offset = group * bytes_per_out_group + b * bytes_per_block;
-                    const int64_t in_group = offset / bytes_per_in_group;
-                    dequantize_block(src + device * bytes_per_tensor + offset,
-                                     device_scales + in_group * param_width(type),
-                                     type,
-                                     num_bits,
-                                     block);
-                    round_block_to_half(block);
-                    float* acc = sum.data() + b * kBlock;
-                    // The fp32 sum of two fp16 values is exact, so one rounding is the fp16 add.
-                    for (int i = 0; i < kBlock; ++i) acc[i] += block[i];
-                    round_block_to_half(acc);
+            for (int64_t b = 0; b < values_per_out_group / kBlock; ++b) {
+                const int64_t offset = group * bytes_per_out_group + b * bytes_per_block;
+                const int64_t in_group = offset / bytes_per_in_group;
+                float* acc = sum.data() + b * kBlock;
+                std::fill(acc, acc + kBlock, 0.0f);  // +0, as the kernel's accumulator starts
+                for (int64_t device = 0; device < devices_per_node; ++device) {
+                    // Device j's parameters start j * groups_per_tensor floats in, whatever their
+                    // width: for asymmetric pairs that reads shifted pairs past device 0, as the
+                    // CUDA kernel does (upstream defect, reproduced; qgZ is symmetric).
+                    const float* device_params = scales + device * groups_per_tensor + in_group * param_width(type);
+                    accumulate_block(src + device * bytes_per_tensor + offset, device_params, type, num_bits, acc);
                 }
             }
             quantize_group(sum.data(),

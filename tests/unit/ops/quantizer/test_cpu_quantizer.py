@@ -121,3 +121,31 @@ def test_non_finite_inputs_as_the_kernels_treat_them(cpu_quantizer):
     out = op.dequantize(q, s, 2, 4, op.Symmetric)
     assert float(out[0]) == 0.0 and torch.isfinite(out[:8]).all()
     assert torch.isnan(out[8:]).all()
+
+
+def test_portable_path_matches_reference():
+    """The scalar path (non-x86 machines) built here with QGZ_SCALAR, against the reference."""
+    from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder
+
+    class ScalarQuantizerBuilder(QuantizerBuilder):
+        NAME = "quantizer_cpu_scalar"
+
+        def cxx_args(self):
+            return super().cxx_args() + ["-DQGZ_SCALAR"]
+
+    op = ScalarQuantizerBuilder().load()
+    gen = torch.Generator().manual_seed(5)
+    for nodes, devices, elems, asymmetric in [(3, 2, 1000, False), (2, 3, 8, True), (1, 4, 40, False)]:
+        groups = nodes * devices * 2
+        x = (torch.randn(groups * elems, generator=gen) * 50).half()
+        x[3], x[elems + 1], x[-1] = float("nan"), float("inf"), -65504
+        op_type, ref_type = (op.Asymmetric, ref.Asymmetric) if asymmetric else (op.Symmetric, ref.Symmetric)
+        for bits in (4, 8):
+            q, s = op.swizzle_quant(x, groups, bits, op_type, 1, nodes, devices)
+            rq, rs = ref.swizzle_quant(x, groups, bits, ref_type, 1, nodes, devices)
+            assert same_bits(q, rq) and same_bits(s, rs)
+            r, r_s = op.quantized_reduction(q, s, groups, groups // devices, bits, op_type, devices)
+            rr, rr_s = ref.quantized_reduction(q, s, groups, groups // devices, bits, ref_type, devices)
+            assert same_bits(r, rr) and same_bits(r_s, rr_s)
+            assert same_bits(op.dequantize(r, r_s, groups // devices, bits, op_type),
+                             ref.dequantize(r, r_s, groups // devices, bits, ref_type))
