@@ -156,16 +156,17 @@ def _quantize_into_slots(tensor: Tensor, layout: "TensorLayout", slots: Tensor, 
     partition n * D + d)."""
     quantizer = _get_quantizer_module()
     world = num_nodes * local_world_size
-    padded = torch.zeros(world, layout.padded_partition, dtype=tensor.dtype, device=tensor.device)
+    padded = torch.zeros(world, layout.padded_partition, dtype=torch.float32, device=tensor.device)
     _copy_in_partitions(tensor.reshape(-1), layout.partition, padded)
     grouped = padded.view(world * layout.groups, layout.group_elems)
 
-    # Each group is scaled by a power of two to an absmax in [0.5, 1) so that any bf16/fp32
+    # Each group is scaled by a power of two (exact) to an absmax in [0.5, 1) so that any bf16/fp32
     # magnitude fits fp16; the factor is folded back into its fp32 scale below. A group whose absmax
     # is inf or NaN poisons its scale: the kernels would quantize a NaN to 0 and lose it.
     absmax = grouped.abs().amax(dim=1)
     exponent = _power_of_two_exponent(absmax)
-    normalized = torch.ldexp(grouped.float(), -exponent.unsqueeze(1)).half()
+    normalized = torch.empty(grouped.shape, dtype=torch.float16, device=tensor.device)
+    torch.mul(grouped, torch.ldexp(torch.ones_like(absmax), -exponent).unsqueeze(1), out=normalized)
 
     data, scales = quantizer.swizzle_quant(normalized.view(-1), world * layout.groups, QUANT_BITS,
                                            quantizer.Symmetric, 1, num_nodes, local_world_size)
