@@ -13,6 +13,9 @@
    average and against the same sequence run on the reference.
 4. Times the kernels on a padded layout against a naturally aligned one of the same size.
 Prints a PASS/FAIL table (and writes it to --out DIR); exits non-zero on any FAIL.
+
+--dry-run-on-cpu runs the same script with the CPU quantizer op standing in for the CUDA kernels, to
+check the script itself on a machine without a GPU; it proves nothing about the GPU.
 """
 
 import argparse
@@ -47,10 +50,13 @@ def bits_equal(a, b):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--dry-run-on-cpu", action="store_true", help="check this script with the CPU op")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    dry_run = args.dry_run_on_cpu
+    if not torch.cuda.is_available() and not dry_run:
         print("gpu_check: CUDA is needed", file=sys.stderr)
         return 2
+    device = "cpu" if dry_run else "cuda"
 
     import deepspeed
     from deepspeed.ops.op_builder import QuantizerBuilder
@@ -66,10 +72,14 @@ def main():
         print(f"{'PASS' if ok else 'FAIL'}  {check}: {detail}", flush=True)
 
     start = time.perf_counter()
-    op = QuantizerBuilder().load()
-    record("build CUDA QuantizerBuilder", True,
+    if dry_run:
+        from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder as CPUQuantizerBuilder
+        op = CPUQuantizerBuilder().load()
+    else:
+        op = QuantizerBuilder().load()
+    record("build " + ("CPU (dry run)" if dry_run else "CUDA") + " QuantizerBuilder", True,
            f"{time.perf_counter() - start:.0f} s, deepspeed {deepspeed.__version__}, torch {torch.__version__}, "
-           f"{torch.cuda.get_device_name()}")
+           f"{'no GPU' if dry_run else torch.cuda.get_device_name()}")
     record("overlay active", "deepspeed_qgz" in cc.__file__, cc.__file__)
 
     gen = torch.Generator().manual_seed(0)
@@ -82,7 +92,7 @@ def main():
             x[:t.group_elems] = 0  # an all-zero group
             x[t.group_elems:2 * t.group_elems] = 1.5  # ties and a clamped absmax
             label = f"{nodes}x{devices} {name} ({t.group_elems}/group)"
-            q, s = op.swizzle_quant(x.cuda(), groups, 4, op.Symmetric, 1, nodes, devices)
+            q, s = op.swizzle_quant(x.to(device), groups, 4, op.Symmetric, 1, nodes, devices)
             rq, rs = ref.swizzle_quant(x, groups, 4, ref.Symmetric, 1, nodes, devices)
             ok_q, dq = bits_equal(q, rq)
             ok_s, ds = bits_equal(s, rs)
@@ -104,7 +114,7 @@ def main():
         inputs = [[(sig + 0.25 * torch.randn(sig.shape, generator=gen, dtype=torch.float64)).to(dtype) for sig in signals]
                   for _ in range(world)]
         cc.quantizer_module = op
-        gpu_out, _ = simulate_quant_reduce([[t.cuda() for t in ts] for ts in inputs], nodes, devices)
+        gpu_out, _ = simulate_quant_reduce([[t.to(device) for t in ts] for ts in inputs], nodes, devices)
         cc.quantizer_module = ref
         ref_out, _ = simulate_quant_reduce(inputs, nodes, devices)
         worst, same = 0.0, True
@@ -120,32 +130,31 @@ def main():
                 worst = max(worst, float((err / bound).max()))
                 same &= bits_equal(gpu_out[rank][i], ref_out[rank][i])[0]
         record(f"3x2 all_to_all_quant_reduce sequence {str(dtype)[6:]}", worst <= 1 and same,
-               f"max error / bound {worst:.3f}; CUDA == reference bitwise: {same}")
+               f"max error / bound {worst:.3f}; kernels == reference bitwise: {same}")
 
     # Kernel time on a padded layout against an aligned one of about the same size.
     def kernel_seconds(numel):
         t = quantized_reduce_layout((numel, ), nodes, devices).tensors[0]
         groups = world * t.groups
-        x = torch.randn(world * t.padded_partition, device="cuda").half()
+        x = torch.randn(world * t.padded_partition, device=device).half()
 
         def run():
             q, s = op.swizzle_quant(x, groups, 4, op.Symmetric, 1, nodes, devices)
             r, r_s = op.quantized_reduction(q, s, groups, groups // devices, 4, op.Symmetric, devices)
             op.dequantize(r, r_s, groups // devices, 4, op.Symmetric)
 
+        sync = (lambda: None) if dry_run else torch.cuda.synchronize
         for _ in range(3):
             run()
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+        sync()
+        begin = time.perf_counter()
         for _ in range(20):
             run()
-        end.record()
-        torch.cuda.synchronize()
-        return begin.elapsed_time(end) / 20 / 1e3, t
+        sync()
+        return (time.perf_counter() - begin) / 20, t
 
     aligned_s, aligned = kernel_seconds(world * 1024 * 4096)
-    padded_s, padded = kernel_seconds(world * 1024 * 4096 - 1)
+    padded_s, padded = kernel_seconds(world * (1024 * 4096 - 1001) + 1)
     record("kernel time padded / aligned (3x2, ~25M elements)", True,
            f"{padded_s * 1e6:.0f} us / {aligned_s * 1e6:.0f} us = {padded_s / aligned_s:.3f} "
            f"({padded.group_elems} vs {aligned.group_elems} per group)")
