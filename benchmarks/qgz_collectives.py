@@ -236,8 +236,14 @@ def main():
     world, port = args.nodes * args.devices, free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % args.devices),
-                   LOCAL_SIZE=str(args.devices), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env = dict(os.environ,
+                   RANK=str(rank),
+                   WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(rank % args.devices),
+                   LOCAL_SIZE=str(args.devices),
+                   MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env))
     codes = [p.wait(timeout=1800) for p in procs]
     if any(codes):

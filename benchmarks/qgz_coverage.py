@@ -29,7 +29,8 @@ def qwen2_7b():
 
 def gpt2():
     h, vocab = 768, 50257
-    layer = [(h, ), (h, ), (h, 3 * h), (3 * h, ), (h, h), (h, ), (h, ), (h, ), (h, 4 * h), (4 * h, ), (4 * h, h), (h, )]
+    layer = [(h, ), (h, ), (h, 3 * h), (3 * h, ), (h, h), (h, ), (h, ), (h, ), (h, 4 * h), (4 * h, ), (4 * h, h),
+             (h, )]
     return [(vocab, h), (1024, h)] + layer * 12 + [(h, ), (h, )]
 
 

@@ -78,8 +78,7 @@ def diff(_args):
         upstream = root / installed
         old = upstream.read_text().splitlines(keepends=True) if upstream.exists() else []
         new = overlay.read_text().splitlines(keepends=True)
-        sys.stdout.writelines(
-            difflib.unified_diff(old, new, f"a/{source}" if old else "/dev/null", f"b/{source}"))
+        sys.stdout.writelines(difflib.unified_diff(old, new, f"a/{source}" if old else "/dev/null", f"b/{source}"))
     return 0
 
 
@@ -94,9 +93,10 @@ def _version(name):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m deepspeed_qgz", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("status", help="versions, overlay state, overlaid files, CPU op build").set_defaults(run=status)
-    commands.add_parser("diff", help="unified diff of every overlaid file against installed upstream").set_defaults(
-        run=diff)
+    commands.add_parser("status",
+                        help="versions, overlay state, overlaid files, CPU op build").set_defaults(run=status)
+    commands.add_parser("diff",
+                        help="unified diff of every overlaid file against installed upstream").set_defaults(run=diff)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -77,9 +77,10 @@ def main():
         op = CPUQuantizerBuilder().load()
     else:
         op = QuantizerBuilder().load()
-    record("build " + ("CPU (dry run)" if dry_run else "CUDA") + " QuantizerBuilder", True,
-           f"{time.perf_counter() - start:.0f} s, deepspeed {deepspeed.__version__}, torch {torch.__version__}, "
-           f"{'no GPU' if dry_run else torch.cuda.get_device_name()}")
+    record(
+        "build " + ("CPU (dry run)" if dry_run else "CUDA") + " QuantizerBuilder", True,
+        f"{time.perf_counter() - start:.0f} s, deepspeed {deepspeed.__version__}, torch {torch.__version__}, "
+        f"{'no GPU' if dry_run else torch.cuda.get_device_name()}")
     record("overlay active", "deepspeed_qgz" in cc.__file__, cc.__file__)
 
     gen = torch.Generator().manual_seed(0)
@@ -111,8 +112,8 @@ def main():
     shapes = [(1031, 77), (515, 3), (7, 5, 3)]
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         signals = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
-        inputs = [[(sig + 0.25 * torch.randn(sig.shape, generator=gen, dtype=torch.float64)).to(dtype) for sig in signals]
-                  for _ in range(world)]
+        inputs = [[(sig + 0.25 * torch.randn(sig.shape, generator=gen, dtype=torch.float64)).to(dtype)
+                   for sig in signals] for _ in range(world)]
         cc.quantizer_module = op
         gpu_out, _ = simulate_quant_reduce([[t.to(device) for t in ts] for ts in inputs], nodes, devices)
         cc.quantizer_module = ref
@@ -155,9 +156,10 @@ def main():
 
     aligned_s, aligned = kernel_seconds(world * 1024 * 4096)
     padded_s, padded = kernel_seconds(world * (1024 * 4096 - 1001) + 1)
-    record("kernel time padded / aligned (3x2, ~25M elements)", True,
-           f"{padded_s * 1e6:.0f} us / {aligned_s * 1e6:.0f} us = {padded_s / aligned_s:.3f} "
-           f"({padded.group_elems} vs {aligned.group_elems} per group)")
+    record(
+        "kernel time padded / aligned (3x2, ~25M elements)", True,
+        f"{padded_s * 1e6:.0f} us / {aligned_s * 1e6:.0f} us = {padded_s / aligned_s:.3f} "
+        f"({padded.group_elems} vs {aligned.group_elems} per group)")
 
     table = "| check | result | detail |\n|---|---|---|\n" + "\n".join(f"| {c} | {r} | {d} |" for c, r, d in rows)
     print("\n" + table)

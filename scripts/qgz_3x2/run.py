@@ -34,7 +34,8 @@ def run(config, steps, timeout=600):
         agents = []
         for node in range(NODES):
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node",
+                sys.executable, "-m", "torch.distributed.run", "--nnodes",
+                str(NODES), "--nproc-per-node",
                 str(PROCS_PER_NODE), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id",
                 f"qgz-{port}", "--local_addr", "127.0.0.1",
                 str(HERE / "train.py"), "--deepspeed_config",

@@ -163,8 +163,8 @@ inline void quantize_block(const float* v, const Params& p, QuantType type, int 
     }
     // nibble pairs: (even << 4) + odd, summed pairwise within each 128-bit half
     const __m256i nibbles = _mm256_and_si256(codes, _mm256_set1_epi32(0xF));
-    const __m256i pairs =
-        _mm256_hadd_epi32(_mm256_sllv_epi32(nibbles, _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0)), _mm256_setzero_si256());
+    const __m256i shifted = _mm256_sllv_epi32(nibbles, _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0));
+    const __m256i pairs = _mm256_hadd_epi32(shifted, _mm256_setzero_si256());
     const __m128i bytes4 = _mm_unpacklo_epi64(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
     const __m128i words = _mm_packus_epi32(bytes4, bytes4);
     const int32_t packed = _mm_cvtsi128_si32(_mm_packus_epi16(words, words));
@@ -281,7 +281,10 @@ bool reduce_has_idle_lanes(int64_t bytes_per_group, int num_bits)
 
 int64_t param_width(QuantType type) { return type == QuantType::Asymmetric ? 2 : 1; }
 
-void check_bits(int num_bits) { TORCH_CHECK(num_bits == 4 || num_bits == 8, "num_bits must be 4 or 8, got ", num_bits); }
+void check_bits(int num_bits)
+{
+    TORCH_CHECK(num_bits == 4 || num_bits == 8, "num_bits must be 4 or 8, got ", num_bits);
+}
 
 // Quantizes `elems` fp32 values (holding fp16 values) as one group, writing packed codes and params.
 void quantize_group(const float* values,

@@ -154,8 +154,7 @@ def quantized_reduction(data: torch.Tensor, scales: torch.Tensor, in_groups: int
     asymmetric = _is_asymmetric(quant_type)
     contract.require(
         contract.quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
-                                                _scale_elems(quant_type), devices_per_node),
-        "quantized_reduction")
+                                                _scale_elems(quant_type), devices_per_node), "quantized_reduction")
     per_byte = contract.values_per_byte(num_bits)
     bytes_per_tensor = data.numel() // devices_per_node
     values_per_tensor = bytes_per_tensor * per_byte
@@ -203,6 +202,5 @@ def dequantize(data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: 
     return _dequantize(data, params, groups, num_bits, quant_type, torch.float16)
 
 
-def dequantize_fp32(data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int,
-                    quant_type) -> torch.Tensor:
+def dequantize_fp32(data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int, quant_type) -> torch.Tensor:
     return _dequantize(data, params, groups, num_bits, quant_type, torch.float32)

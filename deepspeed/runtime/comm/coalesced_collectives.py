@@ -20,7 +20,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import instrument_w_nvtx
 from deepspeed.ops import op_builder
 from deepspeed.utils import logger
-from deepspeed.runtime.comm.quantized_layout import QUANT_BITS, QuantizedReduceLayout, quantized_reduce_layout
+from deepspeed.runtime.comm.quantized_layout import (QUANT_BITS, QuantizedReduceLayout, TensorLayout,
+                                                     quantized_reduce_layout)
 
 
 def _torch_reduce_scatter_fn(input_tensor: Tensor, output_tensor: Tensor, group=None, async_op=False, prof=False):
@@ -129,12 +130,12 @@ def _exchange(buffer: Tensor, group: ProcessGroup, size: int) -> Tuple[Tensor, i
     return received, 1
 
 
-def _scales(slots: Tensor, tensor: "TensorLayout") -> Tensor:  # noqa: F821
+def _scales(slots: Tensor, tensor: TensorLayout) -> Tensor:
     """The fp32 scales of `tensor` in every slot of `slots` ([..., slot_bytes] int8), as a view."""
     return slots[..., tensor.scale_offset:tensor.scale_offset + tensor.scale_bytes].view(torch.float32)
 
 
-def _data(slots: Tensor, tensor: "TensorLayout") -> Tensor:  # noqa: F821
+def _data(slots: Tensor, tensor: TensorLayout) -> Tensor:
     return slots[..., tensor.data_offset:tensor.data_offset + tensor.data_bytes]
 
 
@@ -149,7 +150,7 @@ def _power_of_two_exponent(magnitude: Tensor) -> Tensor:
     return torch.where(torch.isfinite(magnitude), exponent, torch.zeros_like(exponent))
 
 
-def _quantize_into_slots(tensor: Tensor, layout: "TensorLayout", slots: Tensor, num_nodes: int,  # noqa: F821
+def _quantize_into_slots(tensor: Tensor, layout: TensorLayout, slots: Tensor, num_nodes: int,
                          local_world_size: int) -> None:
     """Stage 0: pad each rank's partition of `tensor`, quantize it and write the swizzled int4 data
     and true-magnitude scales into `slots` ([world, slot_bytes] int8, slot d * N + n holding
@@ -168,8 +169,8 @@ def _quantize_into_slots(tensor: Tensor, layout: "TensorLayout", slots: Tensor, 
     normalized = torch.empty(grouped.shape, dtype=torch.float16, device=tensor.device)
     torch.mul(grouped, torch.ldexp(torch.ones_like(absmax), -exponent).unsqueeze(1), out=normalized)
 
-    data, scales = quantizer.swizzle_quant(normalized.view(-1), world * layout.groups, QUANT_BITS,
-                                           quantizer.Symmetric, 1, num_nodes, local_world_size)
+    data, scales = quantizer.swizzle_quant(normalized.view(-1), world * layout.groups, QUANT_BITS, quantizer.Symmetric,
+                                           1, num_nodes, local_world_size)
 
     def to_slot_order(per_group: Tensor) -> Tensor:
         return per_group.view(num_nodes, local_world_size, layout.groups).transpose(0, 1)
@@ -180,7 +181,7 @@ def _quantize_into_slots(tensor: Tensor, layout: "TensorLayout", slots: Tensor, 
     _data(slots, layout).copy_(data.view(world, layout.data_bytes))
 
 
-def _reduce_node_slots(received: Tensor, layout: "TensorLayout", out_slots: Tensor, num_nodes: int,  # noqa: F821
+def _reduce_node_slots(received: Tensor, layout: TensorLayout, out_slots: Tensor, num_nodes: int,
                        local_world_size: int) -> None:
     """Stage 1: sum the `local_world_size` received copies of this rank's N slots (one per node)
     with quantized_reduction, writing requantized data and true-magnitude scales to `out_slots`
@@ -205,8 +206,7 @@ def _reduce_node_slots(received: Tensor, layout: "TensorLayout", out_slots: Tens
     _data(out_slots, layout).copy_(data.view(num_nodes, layout.data_bytes))
 
 
-def _dequantize_average(received: Tensor, layout: "TensorLayout", rank: int, world: int,  # noqa: F821
-                        dtype: torch.dtype) -> Tensor:
+def _dequantize_average(received: Tensor, layout: TensorLayout, rank: int, world: int, dtype: torch.dtype) -> Tensor:
     """Stage 2: dequantize the N node sums of this rank's partition, add them and divide by the
     world size; return the partition's real elements in `dtype`."""
     quantizer = _get_quantizer_module()
@@ -215,9 +215,10 @@ def _dequantize_average(received: Tensor, layout: "TensorLayout", rank: int, wor
     # Dequantize with scales brought near 1, so the fp16 output cannot overflow; the power of two
     # is applied in fp32.
     exponent = _power_of_two_exponent(scales)
+    mantissa = torch.ldexp(scales, -exponent).contiguous().view(-1, 1)
     values = quantizer.dequantize(
-        _data(received, layout).contiguous().view(-1),
-        torch.ldexp(scales, -exponent).contiguous().view(-1, 1), num_nodes * layout.groups, QUANT_BITS, quantizer.Symmetric)
+        _data(received, layout).contiguous().view(-1), mantissa, num_nodes * layout.groups, QUANT_BITS,
+        quantizer.Symmetric)
     values = torch.ldexp(values.view(num_nodes, layout.groups, layout.group_elems).float(), exponent.unsqueeze(-1))
     average = values.sum(dim=0).view(-1).div_(world)
     return average.narrow(0, 0, layout.partition_numel(rank)).to(dtype)
@@ -284,8 +285,7 @@ def all_to_all_quant_reduce(tensors: List[Tensor], groups: {}) -> List[Tensor]:
         stats.collective_calls += 1
     if quantized:
         layout = quantized_reduce_layout(tuple(tensors[i].numel() for i in quantized), num_nodes, local_world_size)
-        results, calls = _quantized_reduce_scatter([tensors[i] for i in quantized], layout, local_group,
-                                                   global_group)
+        results, calls = _quantized_reduce_scatter([tensors[i] for i in quantized], layout, local_group, global_group)
         for i, output in zip(quantized, results):
             outputs[i] = output
         stats.quantized_tensors = len(quantized)
@@ -334,6 +334,7 @@ def reduce_scatter_coalesced(
     _torch_reduce_scatter_fn(buffer.view(-1), rank_row, group=group)
 
     return [
-        rank_row.narrow(0, offset, max(0, min(partition, tensor.numel() - this_rank * partition)))
+        rank_row.narrow(0, offset, max(0, min(partition,
+                                              tensor.numel() - this_rank * partition)))
         for tensor, partition, offset in zip(tensors, partitions, offsets)
     ]

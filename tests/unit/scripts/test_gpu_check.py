@@ -30,11 +30,12 @@ def test_gpu_check_refuses_without_cuda(tmp_path):
 def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
     """The script's own logic, with the CPU op standing in for the CUDA kernels (proves nothing
     about the GPU; it keeps the GPU run from failing on the script)."""
-    result = subprocess.run([sys.executable, str(SCRIPT.with_suffix(".py")), "--dry-run-on-cpu", "--out",
-                             str(tmp_path)],
-                            capture_output=True,
-                            text=True,
-                            timeout=900)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_suffix(".py")), "--dry-run-on-cpu", "--out",
+         str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = (tmp_path / "gpu_check.md").read_text()
     rows = [line for line in table.splitlines()[2:] if line.strip()]

@@ -17,8 +17,8 @@ SPECIALS = [0.0, -0.0, 65504.0, -65504.0, 6e-8, -6e-8, 1e-4, float("inf"), float
 
 
 def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
 
 
 @st.composite
@@ -60,16 +60,19 @@ def test_ops_match_reference_bit_for_bit(cpu_quantizer, layout, data):
     assert same_bits(q, rq) and same_bits(s, rs)
 
     # qgZ's one-to-one in/out groups, or fewer and larger output groups where the contract allows
-    candidates = [g for g in (groups // devices, groups // devices // gpp) if not contract.quantized_reduction_violations(
-        q.numel(), s.numel(), groups, g, bits, s.shape[1], devices)]
+    candidates = [
+        g for g in (groups // devices, groups // devices // gpp)
+        if not contract.quantized_reduction_violations(q.numel(), s.numel(), groups, g, bits, s.shape[1], devices)
+    ]
     out_groups = data.draw(st.sampled_from(candidates))
     r, rscale = op.quantized_reduction(q, s, groups, out_groups, bits, op_type, devices)
     rr, rrscale = ref.quantized_reduction(q, s, groups, out_groups, bits, ref_type, devices)
     assert same_bits(r, rr) and same_bits(rscale, rrscale)
 
     for fn in ("dequantize", "dequantize_fp32"):
-        assert same_bits(getattr(op, fn)(r, rscale, out_groups, bits, op_type),
-                         getattr(ref, fn)(r, rscale, out_groups, bits, ref_type))
+        assert same_bits(
+            getattr(op, fn)(r, rscale, out_groups, bits, op_type),
+            getattr(ref, fn)(r, rscale, out_groups, bits, ref_type))
 
 
 Q = object()  # stands for each module's Symmetric
@@ -83,11 +86,12 @@ Q = object()  # stands for each module's Symmetric
     (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 4, Q, 3, 2, 2), "pipeline_size"),
     (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 3, Q, 1, 2, 2), "num_bits"),
     (("swizzle_quant", torch.zeros(64, dtype=torch.float32), 4, 4, Q, 1, 2, 2), "float16"),
-    (("quantized_reduction", torch.zeros(60, dtype=torch.int8), torch.ones(6, 1), 6, 3, 4, Q, 4), "devices_per_node 4"),
+    (("quantized_reduction", torch.zeros(60, dtype=torch.int8), torch.ones(6,
+                                                                           1), 6, 3, 4, Q, 4), "devices_per_node 4"),
     (("quantized_reduction", torch.zeros(12, dtype=torch.int8), torch.ones(6, 1), 6, 3, 4, Q, 2), "4-byte load"),
     (("quantized_reduction", torch.zeros(48, dtype=torch.int8), torch.ones(5, 1), 6, 3, 4, Q, 2), "scales hold 5"),
-    (("quantized_reduction", torch.zeros(2 * 65536, dtype=torch.int8), torch.ones(2, 1), 2, 1, 4, Q, 2),
-     "largest launch"),
+    (("quantized_reduction", torch.zeros(2 * 65536, dtype=torch.int8), torch.ones(
+        2, 1), 2, 1, 4, Q, 2), "largest launch"),
     (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(3, 1), 3, 4, Q), "not divisible by groups 3"),
     (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(10, 1), 10, 4, Q), "vector width"),
     (("dequantize", torch.zeros(16, dtype=torch.int8), torch.ones(3, 1), 2, 4, Q), "params hold 3"),

@@ -156,10 +156,10 @@ def bad_input(groups, report):
     world, rank = dist.get_world_size(), dist.get_rank()
     cases = {
         "missing group": (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4)], {}), "groups has no"),
-        "int dtype": (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4, dtype=torch.int32)], groups),
-                      "unsupported dtype"),
-        "mixed dtypes": (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4), torch.ones(4, 4).half()], groups),
-                         "share a dtype"),
+        "int dtype":
+        (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4, dtype=torch.int32)], groups), "unsupported dtype"),
+        "mixed dtypes":
+        (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4), torch.ones(4, 4).half()], groups), "share a dtype"),
     }
     for name, (call, expected) in cases.items():
         try:
@@ -187,16 +187,17 @@ def differential_suite(groups, report):
     upstream = load_upstream_coalesced()
     report["upstream_file"] = upstream.__file__
     world, rank = dist.get_world_size(), dist.get_rank()
-    shape_sets = [[(world * 4, )], [(world * 3, 5)], [(7, 3)], [(1, )], [(2, )], [(5, 3), (world * 2, ), (1, ), (9, 9)],
-                  [(world - 1, )], [(101, 13), (3, )]]
+    shape_sets = [[(world * 4, )], [(world * 3, 5)], [(7, 3)], [(1, )], [(2, )], [(5, 3), (world * 2, ), (1, ),
+                                                                                  (9, 9)], [(world - 1, )],
+                  [(101, 13), (3, )]]
     for s, shapes in enumerate(shape_sets):
         for dtype_name in DTYPES:
             mine = rank_inputs(shapes, dtype_name, 500 + s, world)[rank]
             ours = cc.reduce_scatter_coalesced([t.clone() for t in mine])
             theirs = upstream.reduce_scatter_coalesced([t.clone() for t in mine])
             for i, (a, b) in enumerate(zip(ours, theirs)):
-                same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-                    a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+                same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                                                                 b.contiguous().view(torch.uint8))
                 if not same:
                     report["failures"].append(f"differential {shapes}[{i}] {dtype_name}: differs from upstream")
             report["cases"] += 1
