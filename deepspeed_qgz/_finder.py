@@ -5,6 +5,7 @@
 """The import hook. Imported from a .pth file at interpreter start-up, so it imports nothing heavy:
 the DeepSpeed version is read from package metadata the first time a deepspeed module is looked up."""
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -51,17 +52,35 @@ def overlay_state():
     return True, f"deepspeed-qgz {__version__} on deepspeed {installed}"
 
 
+# The reduce-scatter entry points ZeRO-3 calls. The first call in a process (deepspeed.comm is up
+# by then, and the user's log level set) logs through DeepSpeed's logger, on rank 0, that the
+# overlay is active.
+ANNOUNCE_ON_FIRST_CALL = ("deepspeed.runtime.comm.coalesced_collectives",
+                          ("all_to_all_quant_reduce", "reduce_scatter_coalesced"))
+
+
 class _AnnouncingLoader(importlib.machinery.SourceFileLoader):
     announced = False
 
     def exec_module(self, module):
         super().exec_module(module)
+        name, functions = ANNOUNCE_ON_FIRST_CALL
+        if module.__name__ == name:
+            for function in functions:
+                setattr(module, function, _announce_first_call(getattr(module, function), module.__file__))
+
+
+def _announce_first_call(fn, origin):
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
         if not _AnnouncingLoader.announced:
             _AnnouncingLoader.announced = True
-            # deepspeed.comm is not initialised at import time: RANK is what the launchers set.
-            if os.environ.get("RANK", "0") == "0":
-                from deepspeed.utils import logger
-                logger.info(f"qgZ overlay {overlay_state()[1]} ({module.__name__} from {self.path})")
+            from deepspeed.utils.logging import log_dist
+            log_dist(f"qgZ overlay active: {overlay_state()[1]} ({origin})", ranks=[0])
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 class OverlayFinder(importlib.abc.MetaPathFinder):

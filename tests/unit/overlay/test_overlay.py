@@ -65,3 +65,39 @@ def test_diff_cli_is_a_reviewable_patch():
     assert "--- /dev/null\n+++ b/csrc/cpu/quantization/quantizer.cpp" in out
     # upstream's silent fallback is gone
     assert "-            logger.warning(" in out
+
+
+def test_untested_deepspeed_release_keeps_upstream(monkeypatch):
+    import warnings
+    from deepspeed_qgz import _finder
+    monkeypatch.setattr(_finder, "deepspeed_version", lambda: "0.18.0")
+    monkeypatch.setattr(_finder.OverlayFinder, "warned", False)
+    _finder.overlay_state.cache_clear()
+    try:
+        active, reason = _finder.overlay_state()
+        assert not active and "0.18.0 is outside the tested releases 0.19.8" in reason
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _finder.OverlayFinder().find_spec("deepspeed.runtime.comm.coalesced_collectives") is None
+        assert any("outside the tested releases" in str(w.message) for w in caught)
+    finally:
+        _finder.overlay_state.cache_clear()
+
+
+def test_first_call_logs_overlay_version_once_on_rank_0():
+    code = ("import logging, torch, deepspeed, deepspeed.comm as dist\n"
+            "from deepspeed.utils import logger\n"
+            "logger.setLevel(logging.INFO); [h.setLevel(logging.INFO) for h in logger.handlers]\n"
+            "deepspeed.init_distributed(dist_backend='gloo')\n"
+            "from deepspeed.runtime.zero import stage3\n"
+            "for _ in range(2): stage3.reduce_scatter_coalesced([torch.ones(4)])\n")
+    out = python(code, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    lines = [line for line in out.splitlines() if "qgZ overlay active" in line]
+    assert len(lines) == 1 and "[Rank 0]" in lines[0] and "deepspeed-qgz 0.1.0 on deepspeed 0.19.8" in lines[0]
+
+
+def _port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
