@@ -283,6 +283,10 @@ def all_to_all_quant_reduce(tensors: List[Tensor], groups: {}) -> List[Tensor]:
         stats.exact_tensors = len(exact)
         stats.exact_elems = sum(tensors[i].numel() for i in exact)
         stats.collective_calls += 1
+        # one partition-sized share to each other rank
+        share = sum(math.ceil(tensors[i].numel() / dist.get_world_size()) for i in exact) * tensors[0].element_size()
+        stats.intra_node_bytes += (local_world_size - 1) * share
+        stats.inter_node_bytes += (num_nodes - 1) * local_world_size * share
     if quantized:
         layout = quantized_reduce_layout(tuple(tensors[i].numel() for i in quantized), num_nodes, local_world_size)
         results, calls = _quantized_reduce_scatter([tensors[i] for i in quantized], layout, local_group, global_group)
@@ -292,8 +296,8 @@ def all_to_all_quant_reduce(tensors: List[Tensor], groups: {}) -> List[Tensor]:
         stats.quantized_elems = sum(t.numel for t in layout.tensors)
         stats.padding_elems = layout.padding_elems
         stats.collective_calls += calls
-        stats.intra_node_bytes = layout.intra_node_bytes
-        stats.inter_node_bytes = layout.inter_node_bytes
+        stats.intra_node_bytes += layout.intra_node_bytes
+        stats.inter_node_bytes += layout.inter_node_bytes
 
     qgz_accounting.last_call = stats
     qgz_accounting.totals.add(stats)

@@ -113,9 +113,45 @@ def topology_suite(groups, report):
         for dtype_name in DTYPES:
             seed += 1
             check_case(f"{name}/{dtype_name}", shapes, dtype_name, seed, groups, report)
+    accounting(groups, report)
     determinism(groups, report)
     non_finite(groups, report)
     bad_input(groups, report)
+
+
+def accounting(groups, report):
+    """qgz_accounting's calls and bytes against what actually went through the collectives."""
+    from deepspeed.runtime.comm import coalesced_collectives as cc
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local_size = int(os.environ["LOCAL_SIZE"])
+    local_group = groups[f"local_{rank // local_size}"]
+    seen = {"calls": 0, "intra": 0, "inter": 0}
+    real_a2a, real_rs = cc.all_to_all_single, dist.reduce_scatter_fn
+
+    def a2a(output, tensor, group=None, **kwargs):
+        size = dist.get_world_size(group)
+        seen["calls"] += 1
+        sent = tensor.numel() * tensor.element_size() * (size - 1) // size
+        seen["intra" if group is local_group else "inter"] += sent
+        return real_a2a(output, tensor, group=group, **kwargs)
+
+    def rs(output, tensor, group=None, **kwargs):
+        share = tensor.numel() * tensor.element_size() // world
+        seen["calls"] += 1
+        seen["intra"] += (local_size - 1) * share
+        seen["inter"] += (world - local_size) * share
+        return real_rs(output, tensor, group=group, **kwargs)
+
+    cc.all_to_all_single, dist.reduce_scatter_fn = a2a, rs
+    try:
+        mine = rank_inputs([(33, 17), (64, ), (5, 5, 5), (11, )], "bf16", 123, world)[rank]
+        cc.all_to_all_quant_reduce(mine, groups)
+    finally:
+        cc.all_to_all_single, dist.reduce_scatter_fn = real_a2a, real_rs
+    stats = cc.qgz_accounting.last_call
+    got = {"calls": stats.collective_calls, "intra": stats.intra_node_bytes, "inter": stats.inter_node_bytes}
+    if got != seen or seen["calls"] > 3:
+        report["failures"].append(f"accounting: reported {got}, collectives saw {seen}")
 
 
 def determinism(groups, report):
