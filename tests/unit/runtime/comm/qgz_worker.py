@@ -197,6 +197,29 @@ def bad_input(groups, report):
         "mixed dtypes":
         (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4), torch.ones(4, 4).half()], groups), "share a dtype"),
     }
+    local_size = int(os.environ["LOCAL_SIZE"])
+    num_nodes = world // local_size
+    if num_nodes > 1 and num_nodes != local_size:
+        node, local_rank = divmod(rank, local_size)
+        swapped = dict(groups)
+        swapped[f"local_{node}"] = groups[f"global_{local_rank}"]
+        cases["mismatched group"] = (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4)], swapped),
+                                     f"expected {local_size}")
+
+    class IndivisibleAccelerator:
+
+        def device_count(self):
+            return world + 1
+
+    def indivisible_world():
+        real = cc.get_accelerator
+        cc.get_accelerator = IndivisibleAccelerator
+        try:
+            cc.all_to_all_quant_reduce([torch.ones(4, 4)], groups)
+        finally:
+            cc.get_accelerator = real
+
+    cases["world not divisible"] = (indivisible_world, "not a multiple of the accelerator's device count")
     for name, (call, expected) in cases.items():
         try:
             call()
