@@ -10,6 +10,7 @@ copies them under deepspeed_qgz/tree/ at the paths an installed DeepSpeed uses (
 csrc/ live in deepspeed/ops/ there) and adds deepspeed_qgz.pth, which starts the import hook.
 """
 
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "deepspeed_qgz" / "__init__.py").read_text()).group(1)
 
 # source-tree directory -> its place inside an installed deepspeed package
 OVERLAY_DIRS = {
@@ -48,7 +50,7 @@ class BuildWithOverlay(build_py):
 
 setup(
     name="deepspeed-qgz",
-    version="0.1.0",
+    version=VERSION,
     description="ZeRO++ quantized gradients (qgZ) for any node count, as an overlay on DeepSpeed",
     long_description=(ROOT / "README.md").read_text(),
     long_description_content_type="text/markdown",

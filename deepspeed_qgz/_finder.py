@@ -12,7 +12,6 @@ import importlib.util
 import os
 import sys
 import warnings
-from functools import lru_cache
 from pathlib import Path
 
 from . import DISABLE_ENV, SUPPORTED_DEEPSPEED, __version__
@@ -20,7 +19,7 @@ from . import DISABLE_ENV, SUPPORTED_DEEPSPEED, __version__
 TREE = Path(__file__).resolve().parent / "tree"
 
 
-@lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def overlay_modules():
     """{module name: file} for every Python file the patch carries."""
     modules = {}
@@ -38,7 +37,7 @@ def deepspeed_version():
         return None
 
 
-@lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def overlay_state():
     """(active, reason) for this process."""
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
