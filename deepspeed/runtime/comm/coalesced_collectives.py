@@ -20,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import instrument_w_nvtx
 from deepspeed.ops import op_builder
 from deepspeed.utils import logger
-from deepspeed.runtime.comm.quantized_layout import (QUANT_BITS, QuantizedReduceLayout, TensorLayout,
+from deepspeed.runtime.comm.quantized_layout import (QUANT_BITS, SCALE_BYTES, QuantizedReduceLayout, TensorLayout,
                                                      quantized_reduce_layout)
 
 
@@ -135,6 +135,17 @@ def _scales(slots: Tensor, tensor: TensorLayout) -> Tensor:
     return slots[..., tensor.scale_offset:tensor.scale_offset + tensor.scale_bytes].view(torch.float32)
 
 
+def _all_scales(slots: Tensor, layout: QuantizedReduceLayout) -> Tensor:
+    """The fp32 scales of every tensor in every slot of `slots`, as a view; the slot layout puts them
+    all first, so tensor t's are _all_scales(...)[..., _group_range(t)]."""
+    return slots[..., :layout.scale_bytes].view(torch.float32)
+
+
+def _group_range(tensor: TensorLayout) -> slice:
+    first = tensor.scale_offset // SCALE_BYTES
+    return slice(first, first + tensor.groups)
+
+
 def _data(slots: Tensor, tensor: TensorLayout) -> Tensor:
     return slots[..., tensor.data_offset:tensor.data_offset + tensor.data_bytes]
 
@@ -181,47 +192,54 @@ def _quantize_into_slots(tensor: Tensor, layout: TensorLayout, slots: Tensor, nu
     _data(slots, layout).copy_(data.view(world, layout.data_bytes))
 
 
-def _reduce_node_slots(received: Tensor, layout: TensorLayout, out_slots: Tensor, num_nodes: int,
-                       local_world_size: int) -> None:
+def _reduce_node_slots(received: Tensor, layout: QuantizedReduceLayout, out_slots: Tensor) -> None:
     """Stage 1: sum the `local_world_size` received copies of this rank's N slots (one per node)
     with quantized_reduction, writing requantized data and true-magnitude scales to `out_slots`
-    ([N, slot_bytes])."""
+    ([N, slot_bytes]). The scale arithmetic runs once for the whole bucket."""
     quantizer = _get_quantizer_module()
+    num_nodes, local_world_size = layout.num_nodes, layout.local_world_size
     received = received.view(local_world_size, num_nodes, -1)
-    scales = _scales(received, layout)  # [D, N, groups]
+    scales = _all_scales(received, layout)  # [D, N, groups of all tensors]
     finite = torch.isfinite(scales).all(dim=0)
     # quantized_reduction sums in fp16: bring each group's summed scale to [0.5, 1) so no sum of D
     # dequantized values can overflow, and fold the factor back into the output scale.
     exponent = _power_of_two_exponent(torch.where(finite, scales, torch.zeros_like(scales)).sum(dim=0))
     normalized = torch.where(finite, torch.ldexp(scales, -exponent), torch.ones_like(scales))
 
-    groups = num_nodes * layout.groups
-    data, out_scales = quantizer.quantized_reduction(
-        _data(received, layout).contiguous().view(-1),
-        normalized.contiguous().view(-1, 1), local_world_size * groups, groups, QUANT_BITS, quantizer.Symmetric,
-        local_world_size)
-    out_scales = torch.ldexp(out_scales.view(num_nodes, layout.groups), exponent)
-    out_scales = torch.where(finite, out_scales, torch.full_like(out_scales, math.nan))
-    _scales(out_slots, layout).copy_(out_scales)
-    _data(out_slots, layout).copy_(data.view(num_nodes, layout.data_bytes))
+    out_scales = _all_scales(out_slots, layout)  # [N, groups of all tensors]
+    for tensor in layout.tensors:
+        groups = num_nodes * tensor.groups
+        tensor_scales = normalized[..., _group_range(tensor)].contiguous().view(-1, 1)
+        data, tensor_scales = quantizer.quantized_reduction(
+            _data(received, tensor).contiguous().view(-1), tensor_scales, local_world_size * groups, groups,
+            QUANT_BITS, quantizer.Symmetric, local_world_size)
+        out_scales[:, _group_range(tensor)] = tensor_scales.view(num_nodes, tensor.groups)
+        _data(out_slots, tensor).copy_(data.view(num_nodes, tensor.data_bytes))
+    out_scales.copy_(torch.where(finite, torch.ldexp(out_scales, exponent), torch.full_like(out_scales, math.nan)))
 
 
-def _dequantize_average(received: Tensor, layout: TensorLayout, rank: int, world: int, dtype: torch.dtype) -> Tensor:
-    """Stage 2: dequantize the N node sums of this rank's partition, add them and divide by the
-    world size; return the partition's real elements in `dtype`."""
+def _dequantize_average(received: Tensor, layout: QuantizedReduceLayout, rank: int,
+                        dtypes: List[torch.dtype]) -> List[Tensor]:
+    """Stage 2: dequantize the N node sums of this rank's partitions, add them and divide by the
+    world size; return each partition's real elements in its tensor's dtype."""
     quantizer = _get_quantizer_module()
-    num_nodes = received.shape[0]
-    scales = _scales(received, layout)  # [N, groups]
+    num_nodes = layout.num_nodes
+    scales = _all_scales(received, layout)  # [N, groups of all tensors]
     # Dequantize with scales brought near 1, so the fp16 output cannot overflow; the power of two
     # is applied in fp32.
     exponent = _power_of_two_exponent(scales)
-    mantissa = torch.ldexp(scales, -exponent).contiguous().view(-1, 1)
-    values = quantizer.dequantize(
-        _data(received, layout).contiguous().view(-1), mantissa, num_nodes * layout.groups, QUANT_BITS,
-        quantizer.Symmetric)
-    values = torch.ldexp(values.view(num_nodes, layout.groups, layout.group_elems).float(), exponent.unsqueeze(-1))
-    average = values.sum(dim=0).view(-1).div_(world)
-    return average.narrow(0, 0, layout.partition_numel(rank)).to(dtype)
+    mantissa = torch.ldexp(scales, -exponent)
+    outputs = []
+    for tensor, dtype in zip(layout.tensors, dtypes):
+        values = quantizer.dequantize(
+            _data(received, tensor).contiguous().view(-1), mantissa[:, _group_range(tensor)].contiguous().view(-1, 1),
+            num_nodes * tensor.groups, QUANT_BITS, quantizer.Symmetric)
+        values = torch.ldexp(
+            values.view(num_nodes, tensor.groups, tensor.group_elems).float(),
+            exponent[:, _group_range(tensor)].unsqueeze(-1))
+        average = values.sum(dim=0).view(-1).div_(layout.world_size)
+        outputs.append(average.narrow(0, 0, tensor.partition_numel(rank)).to(dtype))
+    return outputs
 
 
 def _quantized_reduce_scatter(tensors: List[Tensor], layout: QuantizedReduceLayout, local_group: ProcessGroup,
@@ -234,16 +252,10 @@ def _quantized_reduce_scatter(tensors: List[Tensor], layout: QuantizedReduceLayo
     received, calls = _exchange(slots, local_group, local_world_size)
 
     node_slots = torch.empty(num_nodes, layout.slot_bytes, dtype=torch.int8, device=device)
-    for tensor_layout in layout.tensors:
-        _reduce_node_slots(received, tensor_layout, node_slots, num_nodes, local_world_size)
+    _reduce_node_slots(received, layout, node_slots)
     received, inter_calls = _exchange(node_slots, global_group, num_nodes)
 
-    rank = dist.get_rank()
-    outputs = [
-        _dequantize_average(received, tensor_layout, rank, layout.world_size, tensor.dtype)
-        for tensor, tensor_layout in zip(tensors, layout.tensors)
-    ]
-    return outputs, calls + inter_calls
+    return _dequantize_average(received, layout, dist.get_rank(), [t.dtype for t in tensors]), calls + inter_calls
 
 
 @instrument_w_nvtx

@@ -86,6 +86,11 @@ class QuantizedReduceLayout:
         return self.num_nodes * self.local_world_size
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of fp32 scales at the start of each slot (every tensor's, in order)."""
+        return sum(t.scale_bytes for t in self.tensors)
+
+    @property
     def padding_elems(self) -> int:
         """Zeros added across all ranks' partitions."""
         return sum(self.world_size * t.padded_partition - t.numel for t in self.tensors)

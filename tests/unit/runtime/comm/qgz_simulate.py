@@ -33,8 +33,7 @@ def simulate_quant_reduce(inputs, num_nodes, local_world_size):
         node, local_rank = divmod(rank, local_world_size)
         received = torch.cat([slots[node * local_world_size + peer][local_rank] for peer in range(local_world_size)])
         out = torch.empty(num_nodes, slot_bytes, dtype=torch.int8, device=device)
-        for tensor_layout in layout.tensors:
-            cc._reduce_node_slots(received, tensor_layout, out, num_nodes, local_world_size)
+        cc._reduce_node_slots(received, layout, out)
         node_slots.append(out)
 
     # Inter-node all-to-all among equal local ranks: node m receives row m of each node's slots.
@@ -42,8 +41,5 @@ def simulate_quant_reduce(inputs, num_nodes, local_world_size):
     for rank in range(world):
         node, local_rank = divmod(rank, local_world_size)
         received = torch.stack([node_slots[n * local_world_size + local_rank][node] for n in range(num_nodes)])
-        outputs.append([
-            cc._dequantize_average(received, tensor_layout, rank, world, tensor.dtype)
-            for tensor, tensor_layout in zip(inputs[rank], layout.tensors)
-        ])
+        outputs.append(cc._dequantize_average(received, layout, rank, [t.dtype for t in inputs[rank]]))
     return outputs, layout
