@@ -79,14 +79,16 @@ qgz_accounting = _QuantizedReduceAccounting()
 
 def _copy_in_partitions(flat: Tensor, partition: int, rows: Tensor) -> None:
     """Write rank r's reduce-scatter partition of `flat` (elements [r * partition, (r + 1) *
-    partition)) to the start of rows[r]. Rows must be zero (or don't-care) past what is written."""
-    if partition == 0:
-        return
-    full_rows = flat.numel() // partition
-    rows[:full_rows, :partition].copy_(flat[:full_rows * partition].view(full_rows, partition))
+    partition)) to the start of rows[r] and zeros everywhere else in `rows`, so `rows` may come from
+    torch.empty: only the padding is written twice."""
+    full_rows = flat.numel() // partition if partition else rows.shape[0]
     tail = flat.numel() - full_rows * partition
-    if tail:
+    rows[:full_rows, :partition].copy_(flat[:full_rows * partition].view(full_rows, partition))
+    rows[:full_rows, partition:].zero_()
+    if full_rows < rows.shape[0]:
         rows[full_rows, :tail].copy_(flat[full_rows * partition:])
+        rows[full_rows, tail:].zero_()
+        rows[full_rows + 1:].zero_()
 
 
 def _check_tensors(tensors: List[Tensor], op: str) -> None:
@@ -168,7 +170,7 @@ def _quantize_into_slots(tensor: Tensor, layout: TensorLayout, slots: Tensor, nu
     partition n * D + d)."""
     quantizer = _get_quantizer_module()
     world = num_nodes * local_world_size
-    padded = torch.zeros(world, layout.padded_partition, dtype=torch.float32, device=tensor.device)
+    padded = torch.empty(world, layout.padded_partition, dtype=torch.float32, device=tensor.device)
     _copy_in_partitions(tensor.reshape(-1), layout.partition, padded)
     grouped = padded.view(world * layout.groups, layout.group_elems)
 
@@ -341,7 +343,7 @@ def reduce_scatter_coalesced(
 
     # Row r holds every tensor's rank-r partition (zero-padded to C), so one reduce-scatter of the
     # flat buffer leaves all of this rank's partitions in its own row.
-    buffer = torch.zeros(world_sz, offsets[-1], dtype=tensors[0].dtype, device=tensors[0].device)
+    buffer = torch.empty(world_sz, offsets[-1], dtype=tensors[0].dtype, device=tensors[0].device)
     for tensor, partition, offset in zip(tensors, partitions, offsets):
         _copy_in_partitions(tensor.reshape(-1), partition, buffer[:, offset:offset + partition])
     buffer.div_(world_sz)  # pre-divide: the sum of the shares is the average
