@@ -10,7 +10,8 @@ copies them under deepspeed_qgz/tree/ at the paths an installed DeepSpeed uses (
 csrc/ live in deepspeed/ops/ there) and adds deepspeed_qgz.pth, which starts the import hook.
 """
 
-import re
+import importlib.util
+import os
 import shutil
 from pathlib import Path
 
@@ -18,28 +19,42 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "deepspeed_qgz" / "__init__.py").read_text()).group(1)
 
-# source-tree directory -> its place inside an installed deepspeed package
-OVERLAY_DIRS = {
-    "deepspeed": "deepspeed",
-    "op_builder": "deepspeed/ops/op_builder",
-    "csrc": "deepspeed/ops/csrc",
-}
+
+def _this_package():
+    # by file: an installed deepspeed-qgz is already imported (its .pth runs in every interpreter)
+    spec = importlib.util.spec_from_file_location("_deepspeed_qgz_source", ROOT / "deepspeed_qgz" / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PACKAGE = _this_package()
+
+# The patch's own files, at DeepSpeed's source-tree paths.
+PATCH_DIRS = ("deepspeed", ) + tuple(source.rstrip("/") for source, _ in PACKAGE.LINKED_DIRS)
 OVERLAY_SUFFIXES = {".py", ".cpp", ".h"}
 
 
 def overlay_files():
-    for source_dir, installed_dir in OVERLAY_DIRS.items():
+    """(file in this repository, its path inside an installed deepspeed package)."""
+    for source_dir in PATCH_DIRS:
         for path in sorted((ROOT / source_dir).rglob("*")):
             if path.is_file() and path.suffix in OVERLAY_SUFFIXES and "__pycache__" not in path.parts:
-                yield path, Path(installed_dir) / path.relative_to(ROOT / source_dir)
+                yield path, Path(PACKAGE.installed_path(path.relative_to(ROOT).as_posix()))
+
+
+# DS_QGZ_TOOLS_ONLY=1 installs the package's tools (diff, status, the test harness) without the
+# overlay, for a DeepSpeed patched in-tree (scripts/check_intree.sh).
+TOOLS_ONLY = os.environ.get("DS_QGZ_TOOLS_ONLY") == "1"
 
 
 class BuildWithOverlay(build_py):
 
     def run(self):
         super().run()
+        if TOOLS_ONLY:
+            return
         build_lib = Path(self.build_lib)
         for source, installed in overlay_files():
             target = build_lib / "deepspeed_qgz" / "tree" / installed
@@ -50,7 +65,7 @@ class BuildWithOverlay(build_py):
 
 setup(
     name="deepspeed-qgz",
-    version=VERSION,
+    version=PACKAGE.__version__,
     description="ZeRO++ quantized gradients (qgZ) for any node count, as an overlay on DeepSpeed",
     long_description=(ROOT / "README.md").read_text(),
     long_description_content_type="text/markdown",

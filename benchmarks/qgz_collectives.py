@@ -5,45 +5,62 @@
 """Side-by-side cost of one gradient reduce-scatter call on a simulated cluster (gloo, one process
 per rank, default 3 nodes x 2), on the same buckets in one run:
 
-  (a) qgz      this project's all_to_all_quant_reduce (coalesced, padded, any node count)
-  (b) upstream DeepSpeed 0.19.8's all_to_all_quant_reduce, loaded from the installed file, with
-               the CPU quantizer op supplied as its quantizer (falls back per tensor as 0.19.8 does)
-  (c) fp16-rs  the fp16 reduce_scatter_coalesced that qgZ replaces
+  qgz          this project's all_to_all_quant_reduce (one kernel per stage per call)
+  upstream     DeepSpeed 0.19.8's all_to_all_quant_reduce, loaded from the installed file, with
+               the CPU quantizer op as its quantizer (per tensor; falls back as 0.19.8 does)
+  rs           this project's reduce_scatter_coalesced (what ZeRO-3 runs with qgZ off)
+  upstream-rs  DeepSpeed 0.19.8's reduce_scatter_coalesced
 
-Reports the median over --repeats of the slowest rank's wall time, collective calls, the bytes each
-rank sends inside its node and across nodes, padding, and a time modeled for a real cluster from
-those counts. Writes qgz_collectives.json, .md and .png to --out.
+For each: the slowest rank's median wall time here, the work a GPU would launch (dispatched ATen
+ops, quantizer kernel calls, bytes of the tensors each reads or writes, per gradient element), the
+collectives and the bytes each rank sends inside and across nodes, and two modeled times: the GPU
+work (LAUNCH_S per op or kernel, HBM_BPS) and the network (LATENCY_S per collective, link bandwidths).
+Then, in fresh worlds, the extra peak resident memory of one call on a large single tensor.
+Writes qgz_collectives.json, .md and .png to --out.
 
     python benchmarks/qgz_collectives.py [--nodes 3 --devices 2] [--repeats 7] [--out DIR]
 """
 
 import argparse
+import gc
 import json
 import os
-import socket
+import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-# Modeled cluster: per-collective latency and per-rank link bandwidths.
+from deepspeed_qgz.harness import log, run_world
+
+# Modeled GPU: a launch per dispatched op or kernel, memory-bound at HBM bandwidth (H100/H200-class).
+LAUNCH_S = 5e-6
+HBM_BPS = 3e12
+# Modeled network: per-collective latency and per-rank link bandwidths.
 LATENCY_S = 20e-6
 INTRA_NODE_BPS = 300e9
 INTER_NODE_BPS = 25e9
 
+DTYPES = ("fp16", "bf16")
+METHODS = ("qgz", "upstream", "rs", "upstream-rs")
+# A large single tensor for the memory measurement: 4096 x 6144 = 25.2M elements, a multiple of
+# 2 x world at 3x2, so 0.19.8 quantizes it too.
+MEMORY_SHAPE = (4096, 6144)
+
 
 def buckets():
-    """name -> list of gradient shapes (fp16)."""
+    """name -> list of gradient shapes."""
 
     def block(hidden, ffn):
         return [(3 * hidden, hidden), (3 * hidden, ), (hidden, hidden), (hidden, ), (ffn, hidden), (ffn, ),
                 (hidden, ffn), (hidden, ), (hidden, ), (hidden, )]
 
     return {
+        "1 x (96, 64)": [(96, 64)],
+        "8 x (96, 64)": [(96, 64)] * 8,
+        "48 x (96, 64)": [(96, 64)] * 48,
         "block-515 (odd)": block(515, 1379),
         "block-528 (upstream-aligned)": block(528, 1392),
-        "48 x (96, 64)": [(96, 64)] * 48,
     }
 
 
@@ -52,109 +69,111 @@ def buckets():
 # ----------------------------------------------------------------------------------------------
 
 
-class Traffic:
-    """Counts collective calls and the bytes this rank sends to ranks inside / outside its node."""
-
-    def __init__(self, local_group, world, local_size):
-        self.local_group, self.world, self.local_size = local_group, world, local_size
-        self.reset()
-
-    def reset(self):
-        self.calls, self.intra, self.inter = 0, 0, 0
-
-    def all_to_all(self, fn, size_of):
-
-        def counted(output, tensor, group=None, **kwargs):
-            size = size_of(group)
-            self.calls += 1
-            sent = tensor.numel() * tensor.element_size() * (size - 1) // size
-            if group is self.local_group:
-                self.intra += sent
-            else:
-                self.inter += sent
-            return fn(output, tensor, group=group, **kwargs)
-
-        return counted
-
-    def reduce_scatter(self, fn):
-
-        def counted(output, tensor, group=None, **kwargs):
-            self.calls += 1
-            chunk = tensor.numel() * tensor.element_size() // self.world
-            self.intra += (self.local_size - 1) * chunk
-            self.inter += (self.world - self.local_size) * chunk
-            return fn(output, tensor, group=group, **kwargs)
-
-        return counted
-
-
-def worker(args):
-    import importlib.util
-
-    import torch
+def setup_rank():
     import deepspeed
     import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+    from deepspeed.runtime.comm import coalesced_collectives as ours
     from deepspeed.utils import groups as ds_groups
+    from deepspeed_qgz.harness import load_upstream_module
 
     deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_size = args.devices
     groups = ds_groups._get_local_all_to_all_group()
-    from deepspeed.runtime.comm import coalesced_collectives as ours
-    from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder
-    checked = QuantizerBuilder().load()
-
-    path = Path(importlib.util.find_spec("deepspeed").origin).parent / "runtime/comm/coalesced_collectives.py"
-    spec = importlib.util.spec_from_file_location("upstream_coalesced_collectives", path)
-    upstream = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(upstream)
-    # 0.19.8's code runs whatever layout it computes, as the unchecked CUDA kernels would.
-    upstream.quantizer_module = checked.ops
+    ops = get_accelerator().create_op_builder("QuantizerBuilder").load()
+    upstream = load_upstream_module("runtime/comm/coalesced_collectives.py", "upstream_coalesced_collectives")
     upstream.logger.setLevel("ERROR")  # one fallback warning per tensor per call otherwise
+    # 0.19.8's code runs whatever layout it computes, as the unchecked CUDA kernels would.
+    quantizers = {"ours": ContractCheckedQuantizer(ops), "upstream": ops}
+    return dist, groups, ours, upstream, quantizers
 
-    traffic = Traffic(groups[f"local_{rank // local_size}"], world, local_size)
-    size_of = lambda group: dist.get_world_size(group)  # noqa: E731
-    for module in (ours, upstream):
-        module.all_to_all_single = traffic.all_to_all(module.all_to_all_single, size_of)
-    dist.reduce_scatter_fn = traffic.reduce_scatter(dist.reduce_scatter_fn)
 
-    methods = {
-        "qgz": lambda ts: ours.all_to_all_quant_reduce(ts, groups),
-        "upstream": lambda ts: upstream.all_to_all_quant_reduce(ts, groups),
-        "fp16-rs": lambda ts: ours.reduce_scatter_coalesced(ts),
+def methods(ours, upstream, groups):
+    return {
+        "qgz": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups)),
+        "upstream": (upstream, lambda ts: upstream.all_to_all_quant_reduce(ts, groups)),
+        "rs": (ours, lambda ts: ours.reduce_scatter_coalesced(ts)),
+        "upstream-rs": (upstream, lambda ts: upstream.reduce_scatter_coalesced(ts)),
     }
+
+
+def work_worker(args):
+    import torch
+    from deepspeed_qgz.harness import CollectiveCounter, WorkCounter, write_report
+
+    dist, groups, ours, upstream, quantizers = setup_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_group = groups[f"local_{rank // args.devices}"]
     results = []
     for bucket, shapes in buckets().items():
-        gen = torch.Generator().manual_seed(rank)
-        tensors = [torch.randn(shape, generator=gen).half() for shape in shapes]
-        elems = sum(t.numel() for t in tensors)
-        for method, call in methods.items():
-            row = {"bucket": bucket, "method": method, "tensors": len(tensors), "elems": elems}
-            try:
-                call([t.clone() for t in tensors])  # warm-up
-                traffic.reset()
-                ours.qgz_accounting.reset()
-                call([t.clone() for t in tensors])
-                row.update(calls=traffic.calls, intra_bytes=traffic.intra, inter_bytes=traffic.inter)
-                if method == "qgz":
-                    row["padding_elems"] = ours.qgz_accounting.last_call.padding_elems
-                    row["quantized_elems"] = ours.qgz_accounting.last_call.quantized_elems
-                times = []
-                for _ in range(args.repeats):
+        for dtype_name in DTYPES:
+            gen = torch.Generator().manual_seed(rank)
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+            tensors = [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
+            elems = sum(t.numel() for t in tensors)
+            for method, (module, call) in methods(ours, upstream, groups).items():
+                row = {"bucket": bucket, "dtype": dtype_name, "method": method, "tensors": len(tensors), "elems": elems}
+                quantizer = quantizers["ours" if module is ours else "upstream"]
+                try:
+                    call([t.clone() for t in tensors])  # warm-up
+                    ours.qgz_accounting.reset()
                     inputs = [t.clone() for t in tensors]
+                    work = WorkCounter()
+                    module.quantizer_module = work.counting_quantizer(quantizer)
+                    with CollectiveCounter([ours, upstream], local_group, world, args.devices) as traffic:
+                        with work:
+                            call(inputs)
+                    module.quantizer_module = quantizer
+                    row.update(ops=work.ops,
+                               kernel_calls=work.kernel_calls,
+                               bytes=work.bytes,
+                               collectives=traffic.calls,
+                               intra_bytes=traffic.intra_bytes,
+                               inter_bytes=traffic.inter_bytes)
+                    if method == "qgz":
+                        row["padding_elems"] = ours.qgz_accounting.last_call.padding_elems
+                    times = []
+                    for _ in range(args.repeats):
+                        inputs = [t.clone() for t in tensors]
+                        dist.barrier()
+                        start = time.perf_counter()
+                        call(inputs)
+                        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                        times.append(float(elapsed))
+                    row["median_s"] = statistics.median(times)
+                except Exception as exc:  # noqa: BLE001 - reported in the table
+                    module.quantizer_module = quantizer
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                     dist.barrier()
-                    start = time.perf_counter()
-                    call(inputs)
-                    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    times.append(float(elapsed))
-                row["median_s"] = statistics.median(times)
-            except Exception as exc:  # noqa: BLE001 - reported in the table
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-                dist.barrier()
-            results.append(row)
-    if rank == 0:
-        Path(args.out, "qgz_collectives.json").write_text(json.dumps(results, indent=1))
+                results.append(row)
+    write_report({"results": results})
+    dist.barrier()
+
+
+def memory_worker(args):
+    """Extra peak resident memory of one call on MEMORY_SHAPE, in a fresh process: the peak before
+    the call (imports, a warm-up call on a small tensor, the input) against the peak after it."""
+    import torch
+    from deepspeed_qgz.harness import write_report
+
+    dist, groups, ours, upstream, quantizers = setup_rank()
+    ours.quantizer_module, upstream.quantizer_module = quantizers["ours"], quantizers["upstream"]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.memory_dtype]
+    call = methods(ours, upstream, groups)[args.memory_method][1]
+    call([torch.ones(96, 64, dtype=dtype)])
+    tensor = torch.randn(MEMORY_SHAPE, dtype=dtype)
+    gc.collect()
+    dist.barrier()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    error = None
+    try:
+        outputs = call([tensor])
+        del outputs
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    write_report({"extra_bytes": after - before, "elems": tensor.numel(), "error": error})
     dist.barrier()
 
 
@@ -163,31 +182,56 @@ def worker(args):
 # ----------------------------------------------------------------------------------------------
 
 
-def modeled_s(row):
-    return row["calls"] * LATENCY_S + row["intra_bytes"] / INTRA_NODE_BPS + row["inter_bytes"] / INTER_NODE_BPS
+def gpu_s(row):
+    return (row["ops"] + row["kernel_calls"]) * LAUNCH_S + row["bytes"] / HBM_BPS
 
 
-def report(results, args):
-    by_key = {(r["bucket"], r["method"]): r for r in results}
+def network_s(row):
+    return row["collectives"] * LATENCY_S + row["intra_bytes"] / INTRA_NODE_BPS + row["inter_bytes"] / INTER_NODE_BPS
+
+
+def report(results, memory, args):
+    by_key = {(r["bucket"], r["dtype"], r["method"]): r for r in results}
     lines = [
-        f"{args.nodes} nodes x {args.devices} ranks (gloo on one {os.cpu_count()}-core machine), fp16 gradients, "
-        f"median of {args.repeats}; modeled: {LATENCY_S * 1e6:.0f} us per collective, "
-        f"{INTRA_NODE_BPS / 1e9:.0f} GB/s in a node, {INTER_NODE_BPS / 1e9:.0f} GB/s between nodes", "",
-        "| bucket | method | wall ms | vs upstream | calls | intra-node KB | inter-node KB | inter vs fp16-rs "
-        "| padding | modeled us |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        f"{args.nodes} nodes x {args.devices} ranks (gloo on one {os.cpu_count()}-core machine), median of "
+        f"{args.repeats}. Modeled GPU: {LAUNCH_S * 1e6:.0f} us per op or kernel, {HBM_BPS / 1e12:.0f} TB/s; "
+        f"network: {LATENCY_S * 1e6:.0f} us per collective, {INTRA_NODE_BPS / 1e9:.0f} GB/s in a node, "
+        f"{INTER_NODE_BPS / 1e9:.0f} GB/s between nodes. Bytes per element: of the tensors each op or kernel "
+        "reads or writes, per gradient element (collectives' own traffic excluded).", "",
+        "| bucket | dtype | method | ops | per added tensor | kernels | collectives | bytes / elem | "
+        "inter-node KB | inter vs rs | padding | modeled GPU us | modeled network us | wall ms here |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     ]
+    singles = {(r["dtype"], r["method"]): r for r in results if r["bucket"] == "1 x (96, 64)" and "error" not in r}
     for bucket in buckets():
-        up, rs = by_key.get((bucket, "upstream")), by_key[(bucket, "fp16-rs")]
-        for method in ("qgz", "upstream", "fp16-rs"):
-            r = by_key[(bucket, method)]
-            if "error" in r:
-                lines.append(f"| {bucket} | {method} | error: {r['error']} | | | | | | | |")
-                continue
-            speedup = (f"{up['median_s'] / r['median_s']:.1f}x" if up and "error" not in up else "")
-            padding = f"{r['padding_elems'] / r['elems']:.2%}" if "padding_elems" in r else ""
-            lines.append(f"| {bucket} | {method} | {r['median_s'] * 1e3:.2f} | {speedup} | {r['calls']} | "
-                         f"{r['intra_bytes'] / 1e3:.1f} | {r['inter_bytes'] / 1e3:.1f} | "
-                         f"{r['inter_bytes'] / rs['inter_bytes']:.3f}x | {padding} | {modeled_s(r) * 1e6:.0f} |")
+        for dtype_name in DTYPES:
+            rs = by_key[(bucket, dtype_name, "rs")]
+            for method in METHODS:
+                r = by_key[(bucket, dtype_name, method)]
+                if "error" in r:
+                    lines.append(f"| {bucket} | {dtype_name} | {method} | n/a: {r['error']} ||||||||||")
+                    continue
+                single = singles.get((dtype_name, method))
+                per_tensor = ""
+                if single and r["tensors"] > 1 and bucket.endswith("(96, 64)"):
+                    added = r["ops"] + r["kernel_calls"] - single["ops"] - single["kernel_calls"]
+                    per_tensor = f"{added / (r['tensors'] - 1):.1f}"
+                padding = f"{r['padding_elems'] / r['elems']:.2%}" if "padding_elems" in r else ""
+                lines.append(f"| {bucket} | {dtype_name} | {method} | {r['ops']} | {per_tensor} | {r['kernel_calls']} | "
+                             f"{r['collectives']} | {r['bytes'] / r['elems']:.1f} | {r['inter_bytes'] / 1e3:.1f} | "
+                             f"{r['inter_bytes'] / rs['inter_bytes']:.3f}x | {padding} | {gpu_s(r) * 1e6:.0f} | "
+                             f"{network_s(r) * 1e6:.0f} | {r['median_s'] * 1e3:.2f} |")
+    lines += [
+        "", f"Extra peak resident memory of one call on a {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]} tensor "
+        f"({MEMORY_SHAPE[0] * MEMORY_SHAPE[1] / 1e6:.1f}M elements), bytes per gradient element, the largest over "
+        "the ranks:", "", "| dtype | qgz | upstream |", "|---|---:|---:|"
+    ]
+    for dtype_name in DTYPES:
+        cells = []
+        for method in ("qgz", "upstream"):
+            m = memory[(dtype_name, method)]
+            cells.append(f"n/a: {m['error']}" if m["error"] else f"{m['extra_bytes'] / m['elems']:.1f}")
+        lines.append(f"| {dtype_name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -195,30 +239,26 @@ def chart(results, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = list(buckets())
-    methods = ["qgz", "upstream", "fp16-rs"]
-    by_key = {(r["bucket"], r["method"]): r for r in results}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, metric, label in ((axes[0], lambda r: r["median_s"] * 1e3, "measured wall time, ms (gloo, CPU)"),
-                              (axes[1], lambda r: modeled_s(r) * 1e6, "modeled cluster time, us")):
-        width = 0.27
-        for i, method in enumerate(methods):
-            values = [metric(by_key[(b, method)]) if "error" not in by_key[(b, method)] else 0 for b in names]
-            ax.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=method)
+    names = [b for b in buckets()]
+    by_key = {(r["bucket"], r["method"]): r for r in results if r["dtype"] == "fp16"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.2
+    for ax, metric, label in ((axes[0], gpu_s, "modeled GPU work, us (launches + HBM traffic)"),
+                              (axes[1], network_s, "modeled network, us (collectives + link bytes)")):
+        for i, method in enumerate(METHODS):
+            values = [
+                metric(by_key[(b, method)]) * 1e6 if "error" not in by_key[(b, method)] else 0 for b in names
+            ]
+            ax.bar([x + (i - 1.5) * width for x in range(len(names))], values, width, label=method)
         ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(names, fontsize=8)
-        ax.set_title(label)
+        ax.set_xticklabels(names, fontsize=7)
+        ax.set_title(label, fontsize=10)
         ax.set_yscale("log")
-        ax.legend()
-    fig.suptitle("one reduce-scatter call per bucket: qgZ (this project) vs DeepSpeed 0.19.8 vs fp16")
+        ax.legend(fontsize=8)
+    fig.suptitle("one fp16 gradient reduce-scatter call per bucket, 3 nodes x 2: qgZ (this project) vs DeepSpeed "
+                 "0.19.8 vs the unquantized reduce-scatter")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main():
@@ -227,33 +267,46 @@ def main():
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default=".")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("work", "memory"), help=argparse.SUPPRESS)
+    parser.add_argument("--memory-method", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        return worker(args)
+    if args.worker == "work":
+        return work_worker(args)
+    if args.worker == "memory":
+        return memory_worker(args)
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    world, port = args.nodes * args.devices, free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ,
-                   RANK=str(rank),
-                   WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(rank % args.devices),
-                   LOCAL_SIZE=str(args.devices),
-                   MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env))
-    codes = [p.wait(timeout=1800) for p in procs]
-    if any(codes):
-        sys.exit(f"benchmark ranks failed: exit codes {codes}")
-    results = json.loads(Path(args.out, "qgz_collectives.json").read_text())
-    table = report(results, args)
+    common = [sys.executable, __file__, "--nodes", str(args.nodes), "--devices", str(args.devices), "--repeats",
+              str(args.repeats)]
+    log(f"collectives: {len(buckets())} buckets x {len(DTYPES)} dtypes x {len(METHODS)} methods at "
+        f"{args.nodes}x{args.devices}")
+    results = run_world(common + ["--worker", "work"], args.nodes, args.devices, timeout=1800)[0]["results"]
+    memory = {}
+    for dtype_name in DTYPES:
+        for method in ("qgz", "upstream"):
+            if method == "upstream" and dtype_name != "fp16":
+                memory[(dtype_name, method)] = {"error": "0.19.8 hands bf16 bits to fp16 kernels", "extra_bytes": 0}
+                continue
+            log(f"memory: one {method} call on {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]} {dtype_name} in a fresh world")
+            reports = run_world(
+                common + ["--worker", "memory", "--memory-method", method, "--memory-dtype", dtype_name], args.nodes,
+                args.devices)
+            memory[(dtype_name, method)] = max(reports, key=lambda r: r["extra_bytes"])
+    table = report(results, memory, args)
     print(table)
-    Path(args.out, "qgz_collectives.md").write_text(table + "\n")
-    chart(results, Path(args.out, "qgz_collectives.png"))
-    print(f"wrote {args.out}/qgz_collectives.json, .md, .png")
+    out = Path(args.out)
+    (out / "qgz_collectives.json").write_text(
+        json.dumps({
+            "results": results,
+            "memory": {
+                f"{d}/{m}": v
+                for (d, m), v in memory.items()
+            }
+        }, indent=1))
+    (out / "qgz_collectives.md").write_text(table + "\n")
+    chart(results, out / "qgz_collectives.png")
+    log(f"wrote {out}/qgz_collectives.json, .md, .png")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ groups = max(shape[0], shape[1], world) rule. Pure arithmetic on parameter shape
 """
 
 from deepspeed.ops.quantizer.qgz_contract import swizzle_quant_violations
-from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout
+from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout, resolve_group_size
 
 
 def llama2_7b():
@@ -53,7 +53,7 @@ def coverage(shapes, nodes, devices):
         s for s in upstream if swizzle_quant_violations(numel(s), max(s[0], s[1], world), 4, 1, nodes, devices)
     ]
     ours = [s for s in shapes if len(s) > 1]
-    layout = quantized_reduce_layout(tuple(numel(s) for s in ours), nodes, devices)
+    layout = quantized_reduce_layout(tuple(numel(s) for s in ours), nodes, devices, resolve_group_size())
     share = lambda group: sum(numel(s) for s in group) / total  # noqa: E731
     return share(upstream), share(upstream_broken), share(ours), layout.padding_elems / share(ours) / total
 

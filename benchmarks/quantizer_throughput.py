@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder
+from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.quantizer import qgz_reference as ref
-from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout
+from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout, resolve_group_size
 
 
 def median_seconds(fn, repeats):
@@ -40,14 +41,14 @@ def main():
     args = parser.parse_args()
 
     start = time.perf_counter()
-    op = QuantizerBuilder().load()
+    op = ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load())
     load_s = time.perf_counter() - start
 
     nodes, devices = args.nodes, args.devices
     world = nodes * devices
-    layout = quantized_reduce_layout((args.elems, ), nodes, devices).tensors[0]
-    numel = world * layout.padded_partition
-    groups = world * layout.groups
+    layout = quantized_reduce_layout((args.elems, ), nodes, devices, resolve_group_size())
+    numel = world * layout.slot_elems
+    groups = world * layout.slot_groups
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).half()
     data, scales = op.swizzle_quant(x, groups, 4, op.Symmetric, 1, nodes, devices)
     reduced, reduced_scales = op.quantized_reduction(data, scales, groups, groups // devices, 4, op.Symmetric, devices)

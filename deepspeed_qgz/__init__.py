@@ -5,17 +5,43 @@
 """
 qgZ for any cluster shape, installed on top of a DeepSpeed release.
 
-This package carries the patch's files at DeepSpeed's own paths (under ``tree/``) and a meta-path
-finder, started from a ``.pth`` file in every Python process of the environment, that imports
-them in place of (or beside) the installed DeepSpeed's modules. Nothing of DeepSpeed's own
-installation is modified; ``pip uninstall deepspeed-qgz`` restores it completely.
+This package carries the patch's files at DeepSpeed's own paths (under ``tree/``), its edits to
+files DeepSpeed already has (``upstream_edits``), and a meta-path finder, started from a ``.pth``
+file in every Python process of the environment, that imports the patch's modules in place of (or
+beside) the installed DeepSpeed's and applies the edits as it imports the edited modules. Nothing
+of DeepSpeed's own installation is modified; ``pip uninstall deepspeed-qgz`` restores it completely.
 
 ``DS_QGZ_OVERLAY=0`` switches the overlay off for a process (and the processes it starts).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The DeepSpeed releases this patch was tested on; elsewhere upstream is kept, with a warning.
 SUPPORTED_DEEPSPEED = ("0.19.8", )
 
 DISABLE_ENV = "DS_QGZ_OVERLAY"
+
+# DeepSpeed source-tree directories and where an installed deepspeed package has them. In
+# DeepSpeed's git tree the installed-side paths are symbolic links to the source-side ones; its
+# source distribution ships copies of both.
+LINKED_DIRS = (
+    ("op_builder/", "deepspeed/ops/op_builder/"),
+    ("csrc/", "deepspeed/ops/csrc/"),
+    ("accelerator/", "deepspeed/accelerator/"),
+)
+
+
+def installed_path(source_path: str) -> str:
+    """A DeepSpeed source-tree path as it is inside an installed package."""
+    for source, installed in LINKED_DIRS:
+        if source_path.startswith(source):
+            return installed + source_path[len(source):]
+    return source_path
+
+
+def source_path(installed: str) -> str:
+    """An installed-package path as it is in DeepSpeed's source tree."""
+    for source, installed_dir in LINKED_DIRS:
+        if installed.startswith(installed_dir):
+            return source + installed[len(installed_dir):]
+    return installed

@@ -11,11 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import DISABLE_ENV, __version__
-from ._finder import TREE, overlay_modules, overlay_state
-
-# installed-package directory -> DeepSpeed source-tree directory, for reviewable diff paths
-SOURCE_PATHS = (("deepspeed/ops/op_builder/", "op_builder/"), ("deepspeed/ops/csrc/", "csrc/"))
+from . import DISABLE_ENV, LINKED_DIRS, __version__, installed_path, source_path
+from ._finder import TREE, overlay_state
+from .upstream_edits import apply_edits, edited_paths
 
 
 def _upstream_root():
@@ -29,13 +27,6 @@ def _overlay_files():
         yield path.relative_to(TREE).as_posix(), path
 
 
-def _source_path(installed):
-    for prefix, source in SOURCE_PATHS:
-        if installed.startswith(prefix):
-            return source + installed[len(prefix):]
-    return installed
-
-
 def status(_args):
     import torch
     active, reason = overlay_state()
@@ -47,7 +38,9 @@ def status(_args):
     print("files:")
     for installed, _ in _overlay_files():
         kind = "replaces" if root and (root / installed).exists() else "adds"
-        print(f"  {kind:8s} {_source_path(installed)}")
+        print(f"  {kind:8s} {source_path(installed)}")
+    for path in edited_paths():
+        print(f"  {'edits':8s} {path}")
     if active:
         import deepspeed.runtime.zero.stage3 as stage3
         import deepspeed.runtime.comm.coalesced_collectives as collectives
@@ -68,17 +61,31 @@ def status(_args):
     return 0
 
 
-def diff(_args):
+def _patch(root):
+    """(DeepSpeed source-tree path, upstream text or None, patched text) for every file the patch
+    adds, replaces or edits."""
+    for installed, overlay in _overlay_files():
+        upstream = root / installed
+        yield source_path(installed), upstream.read_text() if upstream.exists() else None, overlay.read_text()
+    for path in edited_paths():
+        text = (root / installed_path(path)).read_text()
+        yield path, text, apply_edits(path, text)
+
+
+def diff(args):
     root = _upstream_root()
     if root is None:
         print("deepspeed is not installed", file=sys.stderr)
         return 1
-    for installed, overlay in _overlay_files():
-        source = _source_path(installed)
-        upstream = root / installed
-        old = upstream.read_text().splitlines(keepends=True) if upstream.exists() else []
-        new = overlay.read_text().splitlines(keepends=True)
-        sys.stdout.writelines(difflib.unified_diff(old, new, f"a/{source}" if old else "/dev/null", f"b/{source}"))
+    for path, old, new in _patch(root):
+        paths = [path]
+        if args.sdist and installed_path(path) != path:
+            paths.append(installed_path(path))  # the source distribution's copy of a linked directory
+        for target in paths:
+            old_lines = old.splitlines(keepends=True) if old is not None else []
+            sys.stdout.writelines(
+                difflib.unified_diff(old_lines, new.splitlines(keepends=True),
+                                     f"a/{target}" if old is not None else "/dev/null", f"b/{target}"))
     return 0
 
 
@@ -95,8 +102,13 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("status",
                         help="versions, overlay state, overlaid files, CPU op build").set_defaults(run=status)
-    commands.add_parser("diff",
-                        help="unified diff of every overlaid file against installed upstream").set_defaults(run=diff)
+    diff_parser = commands.add_parser("diff", help="the patch against the installed upstream, as a unified diff "
+                                      "at DeepSpeed's source-tree paths (git apply-able)")
+    diff_parser.add_argument("--sdist",
+                             action="store_true",
+                             help="also patch the copies DeepSpeed's source distribution ships of "
+                             + ", ".join(dict(LINKED_DIRS)) + " (symbolic links in its git tree)")
+    diff_parser.set_defaults(run=diff)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -3,9 +3,18 @@
 
 # DeepSpeed Team
 """The import hook. Imported from a .pth file at interpreter start-up, so it imports nothing heavy:
-the DeepSpeed version is read from package metadata the first time a deepspeed module is looked up."""
+the DeepSpeed version is read from package metadata the first time a deepspeed module is looked up.
+
+For a ``deepspeed.*`` module the hook supplies, in this order:
+* the patch's own file, for a module the patch carries (``tree/``), announcing itself on its first
+  reduce-scatter call for coalesced_collectives;
+* upstream's file with the patch's edits applied (``upstream_edits``), for a module it edits;
+* upstream's file followed by an overlay step, for the one module that scans upstream's
+  directories for op builders (``all_ops``), which would otherwise miss the patch's builders.
+Every other module is left to the normal import system."""
 
 import functools
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -14,19 +23,27 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import DISABLE_ENV, SUPPORTED_DEEPSPEED, __version__
+from . import DISABLE_ENV, SUPPORTED_DEEPSPEED, __version__, installed_path
 
 TREE = Path(__file__).resolve().parent / "tree"
+
+
+def _module_name(installed: str) -> str:
+    parts = Path(installed).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 @functools.lru_cache(maxsize=None)
 def overlay_modules():
     """{module name: file} for every Python file the patch carries."""
-    modules = {}
-    for path in sorted(TREE.rglob("*.py")):
-        parts = path.relative_to(TREE).with_suffix("").parts
-        modules[".".join(parts)] = path
-    return modules
+    return {_module_name(path.relative_to(TREE).as_posix()): path for path in sorted(TREE.rglob("*.py"))}
+
+
+@functools.lru_cache(maxsize=None)
+def edited_modules():
+    """{module name: DeepSpeed source-tree path} for every upstream module the patch edits."""
+    from .upstream_edits import edited_paths
+    return {_module_name(installed_path(path)): path for path in edited_paths()}
 
 
 def deepspeed_version():
@@ -82,6 +99,51 @@ def _announce_first_call(fn, origin):
     return wrapper
 
 
+class _EditedLoader(importlib.machinery.SourceFileLoader):
+    """Upstream's source with the patch's edits, compiled afresh (upstream's bytecode cache holds
+    the unedited module)."""
+
+    def __init__(self, fullname, path, source_tree_path):
+        super().__init__(fullname, path)
+        self.source_tree_path = source_tree_path
+
+    def get_code(self, fullname):
+        from .upstream_edits import apply_edits
+        text = apply_edits(self.source_tree_path, Path(self.path).read_text())
+        return compile(text, self.path, "exec", dont_inherit=True)
+
+
+def register_overlay_builders(all_ops):
+    """deepspeed.ops.op_builder.all_ops lists the op builders it finds in the accelerator's op
+    builder directory; the patch's builders live in the overlay's tree instead. Add them."""
+    prefix = all_ops.op_builder_dir + "."
+    from deepspeed.accelerator import get_accelerator
+    for name in overlay_modules():
+        if not name.startswith(prefix):
+            continue
+        module = importlib.import_module(name)
+        for member in dir(module):
+            if member.endswith("Builder") and member not in ("OpBuilder", "CPUOpBuilder"):
+                builder = get_accelerator().create_op_builder(member)
+                if builder is not None and builder.name not in all_ops.ALL_OPS:
+                    all_ops.__op_builders__.append(builder)
+                    all_ops.ALL_OPS[builder.name] = builder
+
+
+AFTER_IMPORT = {"deepspeed.ops.op_builder.all_ops": register_overlay_builders}
+
+
+class _AfterImportLoader(importlib.machinery.SourceFileLoader):
+
+    def exec_module(self, module):
+        super().exec_module(module)
+        AFTER_IMPORT[module.__name__](module)
+
+
+def _upstream_spec(fullname, path):
+    return importlib.machinery.PathFinder.find_spec(fullname, path)
+
+
 class OverlayFinder(importlib.abc.MetaPathFinder):
     warned = False
 
@@ -89,7 +151,8 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
         if not fullname.startswith("deepspeed."):
             return None
         origin = overlay_modules().get(fullname)
-        if origin is None:
+        edited = edited_modules().get(fullname)
+        if origin is None and edited is None and fullname not in AFTER_IMPORT:
             return None
         active, reason = overlay_state()
         if not active:
@@ -97,8 +160,20 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
                 OverlayFinder.warned = True
                 warnings.warn(f"deepspeed-qgz: {reason}", RuntimeWarning, stacklevel=2)
             return None
-        loader = _AnnouncingLoader(fullname, str(origin))
-        return importlib.util.spec_from_file_location(fullname, origin, loader=loader)
+        if origin is not None:
+            loader = _AnnouncingLoader(fullname, str(origin))
+            return importlib.util.spec_from_file_location(fullname, origin, loader=loader)
+        upstream = _upstream_spec(fullname, path)
+        if upstream is None or upstream.origin is None:
+            return None
+        if edited is not None:
+            loader = _EditedLoader(fullname, upstream.origin, edited)
+        else:
+            loader = _AfterImportLoader(fullname, upstream.origin)
+        return importlib.util.spec_from_file_location(fullname,
+                                                      upstream.origin,
+                                                      loader=loader,
+                                                      submodule_search_locations=upstream.submodule_search_locations)
 
 
 def install():

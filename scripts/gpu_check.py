@@ -5,12 +5,13 @@
 """GPU validation of the qgZ CUDA path (run through scripts/gpu_check.sh).
 
 1. JIT-builds DeepSpeed's own CUDA QuantizerBuilder.
-2. For layouts from quantized_reduce_layout (3x2, 5x2, 3x8, 2x8; odd and vocab-like shapes) runs
-   swizzle_quant, quantized_reduction and dequantize on the GPU and compares them bit for bit with
-   the PyTorch reference (deepspeed/ops/quantizer/qgz_reference.py).
-3. Runs all_to_all_quant_reduce's kernel call sequence for a 3x2 cluster in one process (the
-   all-to-alls replaced by the permutations they perform) with the CUDA kernels, against the exact
-   average and against the same sequence run on the reference.
+2. For layouts from quantized_reduce_layout (3x2, 5x2, 3x8, 2x8; odd and vocab-like shapes, the
+   default group size) runs swizzle_quant, quantized_reduction and dequantize on the GPU and
+   compares them bit for bit with the PyTorch reference (deepspeed/ops/quantizer/qgz_reference.py).
+3. Runs all_to_all_quant_reduce's whole pipeline for a 3x2 cluster in one process
+   (deepspeed.runtime.comm.quantized_simulation: one kernel per stage for a bucket of several
+   tensors, the all-to-alls replaced by the permutations they perform) on the CUDA kernels, against
+   the exact average and against the same pipeline run on the reference.
 4. Times the kernels on a padded layout against a naturally aligned one of the same size.
 Prints a PASS/FAIL table (and writes it to --out DIR); exits non-zero on any FAIL.
 
@@ -23,9 +24,6 @@ import math
 import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "unit" / "runtime" / "comm"))
 
 try:  # an install with --target processes no .pth file: start the overlay's import hook here
     from deepspeed_qgz._finder import install
@@ -40,6 +38,7 @@ SHAPES = {"odd 1031x77": (1031, 77), "vocab-like 50257x96": (50257, 96)}
 
 
 def bits_equal(a, b):
+    """(same bits?, what differs) for a GPU result against the reference's."""
     a, b = a.cpu().contiguous(), b.cpu().contiguous()
     if a.shape != b.shape or a.dtype != b.dtype:
         return False, f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
@@ -59,11 +58,13 @@ def main():
     device = "cpu" if dry_run else "cuda"
 
     import deepspeed
-    from deepspeed.ops.op_builder import QuantizerBuilder
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.quantizer import qgz_reference as ref
+    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm import coalesced_collectives as cc
-    from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout
-    from qgz_simulate import simulate_quant_reduce
+    from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout, resolve_group_size
+    from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
+    from deepspeed_qgz.harness import WorkCounter
 
     rows = []
 
@@ -72,27 +73,24 @@ def main():
         print(f"{'PASS' if ok else 'FAIL'}  {check}: {detail}", flush=True)
 
     start = time.perf_counter()
-    if dry_run:
-        from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder as CPUQuantizerBuilder
-        op = CPUQuantizerBuilder().load()
-    else:
-        op = QuantizerBuilder().load()
+    # the accelerator's QuantizerBuilder: CUDA here, the CPU op in a dry run on the CPU accelerator
+    op = ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load())
     record(
         "build " + ("CPU (dry run)" if dry_run else "CUDA") + " QuantizerBuilder", True,
         f"{time.perf_counter() - start:.0f} s, deepspeed {deepspeed.__version__}, torch {torch.__version__}, "
         f"{'no GPU' if dry_run else torch.cuda.get_device_name()}")
-    record("overlay active", "deepspeed_qgz" in cc.__file__, cc.__file__)
+    record("patched coalesced_collectives", hasattr(cc, "quantize_partitions"), cc.__file__)
 
     gen = torch.Generator().manual_seed(0)
     for nodes, devices in TOPOLOGIES:
         world = nodes * devices
         for name, shape in SHAPES.items():
-            t = quantized_reduce_layout((math.prod(shape), ), nodes, devices).tensors[0]
-            groups = world * t.groups
-            x = (torch.randn(world * t.padded_partition, generator=gen) * 3).half()
-            x[:t.group_elems] = 0  # an all-zero group
-            x[t.group_elems:2 * t.group_elems] = 1.5  # ties and a clamped absmax
-            label = f"{nodes}x{devices} {name} ({t.group_elems}/group)"
+            layout = quantized_reduce_layout((math.prod(shape), ), nodes, devices, resolve_group_size())
+            groups = world * layout.groups_per_partition
+            x = (torch.randn(world * layout.padded_partition, generator=gen) * 3).half()
+            x[:layout.group_elems] = 0  # an all-zero group
+            x[layout.group_elems:2 * layout.group_elems] = 1.5  # ties and a clamped absmax
+            label = f"{nodes}x{devices} {name} ({layout.group_elems}/group)"
             q, s = op.swizzle_quant(x.to(device), groups, 4, op.Symmetric, 1, nodes, devices)
             rq, rs = ref.swizzle_quant(x, groups, 4, ref.Symmetric, 1, nodes, devices)
             ok_q, dq = bits_equal(q, rq)
@@ -107,17 +105,17 @@ def main():
             ok_d, dd = bits_equal(d, ref.dequantize(r.cpu(), r_s.cpu(), groups // devices, 4, ref.Symmetric))
             record(f"dequantize {label}", ok_d, dd)
 
-    # The whole collective's kernel sequence at 3x2, on the GPU kernels and on the reference.
+    # The whole collective's pipeline at 3x2: one kernel per stage for a bucket of several tensors.
     nodes, devices, world = 3, 2, 6
-    shapes = [(1031, 77), (515, 3), (7, 5, 3)]
+    shapes = [(1031, 77), (515, 3), (7, 5, 3), (64, 48)]
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         signals = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
         inputs = [[(sig + 0.25 * torch.randn(sig.shape, generator=gen, dtype=torch.float64)).to(dtype)
                    for sig in signals] for _ in range(world)]
-        cc.quantizer_module = op
-        gpu_out, _ = simulate_quant_reduce([[t.to(device) for t in ts] for ts in inputs], nodes, devices)
-        cc.quantizer_module = ref
-        ref_out, _ = simulate_quant_reduce(inputs, nodes, devices)
+        counter = WorkCounter()
+        gpu_out, _ = simulate_all_to_all_quant_reduce([[t.to(device) for t in ts] for ts in inputs], nodes, devices,
+                                                      counter.counting_quantizer(op))
+        ref_out, _ = simulate_all_to_all_quant_reduce(inputs, nodes, devices, ref)
         worst, same = 0.0, True
         for i, shape in enumerate(shapes):
             n = math.prod(shape)
@@ -130,14 +128,16 @@ def main():
                 err = (gpu_out[rank][i].cpu().double() - exact).abs()
                 worst = max(worst, float((err / bound).max()))
                 same &= bits_equal(gpu_out[rank][i], ref_out[rank][i])[0]
-        record(f"3x2 all_to_all_quant_reduce sequence {str(dtype)[6:]}", worst <= 1 and same,
-               f"max error / bound {worst:.3f}; kernels == reference bitwise: {same}")
+        record(f"3x2 all_to_all_quant_reduce pipeline {str(dtype)[6:]}, {len(shapes)} tensors",
+               worst <= 1 and same and counter.kernel_calls == 3 * world,
+               f"max error / bound {worst:.3f}; kernels == reference bitwise: {same}; "
+               f"{counter.kernel_calls / world:.0f} kernel calls per rank")
 
     # Kernel time on a padded layout against an aligned one of about the same size.
     def kernel_seconds(numel):
-        t = quantized_reduce_layout((numel, ), nodes, devices).tensors[0]
-        groups = world * t.groups
-        x = torch.randn(world * t.padded_partition, device=device).half()
+        layout = quantized_reduce_layout((numel, ), nodes, devices, resolve_group_size())
+        groups = world * layout.groups_per_partition
+        x = torch.randn(world * layout.padded_partition, device=device).half()
 
         def run():
             q, s = op.swizzle_quant(x, groups, 4, op.Symmetric, 1, nodes, devices)
@@ -152,7 +152,7 @@ def main():
         for _ in range(20):
             run()
         sync()
-        return (time.perf_counter() - begin) / 20, t
+        return (time.perf_counter() - begin) / 20, layout
 
     aligned_s, aligned = kernel_seconds(world * 1024 * 4096)
     padded_s, padded = kernel_seconds(world * (1024 * 4096 - 1001) + 1)

@@ -6,13 +6,18 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${QGZ_VENV:-$ROOT/.venv}
+say() { echo "[$(date +%H:%M:%S)] $*"; }
 if [ ! -x "$VENV/bin/python" ]; then
+    say "environment: creating $VENV"
     python3 -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 CONSTRAINTS="$ROOT/requirements/constraints-cpu.txt"
+say "environment: torch 2.13.0 (CPU build) in $VENV"
 pip install -q -c "$CONSTRAINTS" torch==2.13.0
+say "environment: deepspeed 0.19.8 (a source distribution: about 15 s to build the first time) and the tools"
 pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements.txt" -r "$ROOT/requirements/requirements-dev.txt"
+say "environment: this package (deepspeed-qgz${DS_QGZ_TOOLS_ONLY:+, tools only})"
 pip install -q -c "$CONSTRAINTS" --force-reinstall --no-deps "$ROOT"

@@ -2,11 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The suite tests the installed package (deepspeed with the deepspeed-qgz overlay), never this
-source tree: run it from another directory (see README / .ci/run)."""
+"""The suite tests the installed package, never this source tree: run it from another directory
+(see README / .ci/run). The code under test is either DeepSpeed 0.19.8 with the deepspeed-qgz
+overlay, or a DeepSpeed patched in-tree with `python -m deepspeed_qgz diff` (scripts/check_intree.sh;
+there deepspeed_qgz is installed for its tools only)."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,19 +18,29 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "unit" / "runtime" / "comm"))
+SOURCE_TREE = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
     import deepspeed
     origin = getattr(deepspeed, "__file__", None)
-    if origin is None or Path(origin).resolve().parent == (HERE.parent / "deepspeed").resolve():
+    if origin is None or Path(origin).resolve().parent == (SOURCE_TREE / "deepspeed").resolve():
         raise pytest.UsageError("deepspeed was imported from the source tree; run the suite from another directory")
 
 
 @pytest.fixture(scope="session")
 def cpu_quantizer():
-    """The CPU quantizer op, JIT-built once before any multi-process test needs it."""
-    from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder
-    return QuantizerBuilder().load()
+    """The CPU quantizer op, as DeepSpeed's op registry hands it out on the CPU accelerator, behind
+    the kernel-contract checks; JIT-built once before any multi-process test needs it."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+    return ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load())
+
+
+@pytest.fixture(scope="session")
+def code_under_test():
+    """"overlay" or "in-tree", and the coalesced_collectives file every process must be running."""
+    import importlib.util
+    from deepspeed_qgz.harness import overlay_active
+    origin = importlib.util.find_spec("deepspeed.runtime.comm.coalesced_collectives").origin
+    return ("overlay" if overlay_active() else "in-tree"), origin

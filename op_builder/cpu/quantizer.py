@@ -11,7 +11,9 @@ from .builder import CPUOpBuilder
 
 class QuantizerBuilder(CPUOpBuilder):
     """The qgZ quantizer ops (swizzle_quant, quantized_reduction, dequantize, dequantize_fp32) for
-    the CPU accelerator, numerically identical to the CUDA QuantizerBuilder's."""
+    the CPU accelerator, numerically identical to the CUDA QuantizerBuilder's (which
+    deepspeed/ops/quantizer/qgz_reference.py states in PyTorch). Like the CUDA ops they do not check
+    the layout; deepspeed/ops/quantizer/qgz_contract.py's ContractCheckedQuantizer does."""
     BUILD_VAR = "DS_BUILD_QUANTIZER"
     # Distinct from the CUDA op's name: OpBuilder caches loaded ops by name across builder classes.
     NAME = "quantizer_cpu"
@@ -35,9 +37,3 @@ class QuantizerBuilder(CPUOpBuilder):
         if os.path.isabs(code_path):
             return code_path
         return os.path.join(Path(__file__).resolve().parents[2], code_path)
-
-    def load(self, verbose=False):
-        """The compiled ops behind the kernel-contract checks, so that a layout the CUDA kernels
-        would mishandle is refused here with the condition and the values."""
-        from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
-        return ContractCheckedQuantizer(super().load(verbose))

@@ -9,55 +9,47 @@ node. With --compare, runs qgZ on and off and prints both loss curves side by si
 import argparse
 import json
 import math
-import os
-import socket
-import subprocess
+import re
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+from deepspeed_qgz.harness import Progress, log, run_torchrun_nodes
 
 HERE = Path(__file__).resolve().parent
 NODES, PROCS_PER_NODE = 3, 2
+STEP_LINE = re.compile(r"^\[0\] STEP (\d+) ")
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def build_op():
+    """JIT-build the CPU quantizer op once, here, before six ranks would wait on one build."""
+    log("op build: the CPU quantizer op (DeepSpeed's JIT build; about 40 s the first time, cached after)")
+    start = time.perf_counter()
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().create_op_builder("QuantizerBuilder").load(verbose=False)
+    log(f"op build: done in {time.perf_counter() - start:.1f} s")
 
 
-def run(config, steps, timeout=600):
+def run(config, steps, label="", timeout=900):
     """Returns ({rank: [loss per step]}, rank 0's qgZ totals, the agents' combined output)."""
-    port = free_port()
-    env = dict(os.environ, LOCAL_SIZE=str(PROCS_PER_NODE), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with tempfile.TemporaryDirectory() as logs:
-        agents = []
-        for node in range(NODES):
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes",
-                str(NODES), "--nproc-per-node",
-                str(PROCS_PER_NODE), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id",
-                f"qgz-{port}", "--local_addr", "127.0.0.1",
-                str(HERE / "train.py"), "--deepspeed_config",
-                str(config), "--steps",
-                str(steps), "--loss-dir", logs
-            ]
-            log = open(Path(logs) / f"node{node}.log", "w+")
-            agents.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        try:
-            codes = [proc.wait(timeout=timeout) for proc, _ in agents]
-        finally:
-            for proc, _ in agents:
-                if proc.poll() is None:
-                    proc.kill()
-        output = ""
-        for _, log in agents:
-            log.seek(0)
-            output += log.read()
-            log.close()
-        if any(codes):
-            raise RuntimeError(f"training failed (agent exit codes {codes}):\n{output[-6000:]}")
-        reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(logs).glob("rank*.json")}
+    progress = Progress(steps, label) if label else None
+
+    def on_output(line):
+        match = STEP_LINE.match(line)
+        if progress and match:
+            progress.update(int(match.group(1)) + 1)
+
+    with tempfile.TemporaryDirectory() as losses_dir:
+        output = run_torchrun_nodes(
+            [str(HERE / "train.py"), "--deepspeed_config",
+             str(config), "--steps",
+             str(steps), "--loss-dir", losses_dir],
+            NODES,
+            PROCS_PER_NODE,
+            timeout=timeout,
+            on_output=on_output)
+        reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(losses_dir).glob("rank*.json")}
     losses = {rank: reports[rank]["losses"] for rank in sorted(reports)}
     return losses, reports[0]["qgz"], output
 
@@ -68,9 +60,15 @@ def main():
     parser.add_argument("--compare", action="store_true", help="also run with zero_quantized_gradients: false")
     args = parser.parse_args()
 
-    qgz_losses, summary, _ = run(HERE / "ds_config_qgz.json", args.steps)
-    exact_losses = run(HERE / "ds_config_exact.json", args.steps)[0] if args.compare else None
-    print(f"3 nodes x 2 processes, ZeRO-3, bf16, {args.steps} steps; rank 0 loss per step")
+    build_op()
+    runs = 2 if args.compare else 1
+    log(f"run 1/{runs}: zero_quantized_gradients true, {NODES} torchrun agents x {PROCS_PER_NODE} processes")
+    qgz_losses, summary, _ = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ")
+    exact_losses = None
+    if args.compare:
+        log(f"run 2/{runs}: zero_quantized_gradients false")
+        exact_losses = run(HERE / "ds_config_exact.json", args.steps, "qgZ off")[0]
+    print(f"{NODES} nodes x {PROCS_PER_NODE} processes, ZeRO-3, bf16, {args.steps} steps; rank 0 loss per step")
     print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'rel diff':>8}" if exact_losses else ""))
     for step, loss in enumerate(qgz_losses[0]):
         line = f"{step:>4}  {loss:>10.6f}"
@@ -78,7 +76,7 @@ def main():
             ref = exact_losses[0][step]
             line += f"  {ref:>10.6f}  {abs(loss - ref) / abs(ref):>8.2e}"
         print(line)
-    finite = all(math.isfinite(l) for losses in qgz_losses.values() for l in losses)
+    finite = all(math.isfinite(loss) for losses in qgz_losses.values() for loss in losses)
     print(f"all {len(qgz_losses)} ranks finite: {finite}")
     print(f"qgZ: {summary['calls']} calls, {summary['quantized_tensors']} tensors ({summary['quantized_elems']} "
           f"elements) quantized, {summary['padding_elems']} padding elements added, {summary['exact_tensors']} 1-D "

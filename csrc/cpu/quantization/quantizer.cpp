@@ -26,6 +26,7 @@ QGZ_SCALAR selects the portable path on any machine (the tests build it too).
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(QGZ_SCALAR)
@@ -252,8 +253,13 @@ inline void accumulate_block(const int8_t* in, const float* params, QuantType ty
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launch geometry, for the statistics' idle lanes (see qgz_contract.py)
+// Launch geometry of the CUDA kernels, for the statistics' idle lanes. qgz_contract.py states the
+// same geometry; tests/unit/ops/quantizer checks the two agree for every group size it allows.
 // ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kSwizzleMinThreads = 32;
+constexpr int64_t kSwizzleMaxThreads = 512;
+constexpr int64_t kReduceMaxThreads = 1024;
 
 int64_t next_pow2(int64_t v)
 {
@@ -262,21 +268,39 @@ int64_t next_pow2(int64_t v)
     return p;
 }
 
-bool swizzle_has_idle_lanes(int64_t elems_per_group)
+// (threads, chunks per thread) of swizzled_quant_kernel for a group of `elems` values.
+std::pair<int64_t, int64_t> swizzle_launch(int64_t elems)
 {
-    const int64_t threads =
-        std::min<int64_t>(std::max<int64_t>(next_pow2((elems_per_group + 15) / 16), 32), 512);
-    const int64_t chunks = threads < 512 ? 2 : 2 * ((elems_per_group + threads * 16 - 1) / (threads * 16));
-    return threads * chunks * kBlock > elems_per_group;
+    const int64_t threads = std::min(
+        std::max(next_pow2((elems + 2 * kBlock - 1) / (2 * kBlock)), kSwizzleMinThreads), kSwizzleMaxThreads);
+    const int64_t chunks =
+        threads < kSwizzleMaxThreads ? 2 : 2 * ((elems + threads * 2 * kBlock - 1) / (threads * 2 * kBlock));
+    return {threads, chunks};
 }
 
-bool reduce_has_idle_lanes(int64_t bytes_per_group, int num_bits)
+int64_t reduce_load_bytes(int num_bits) { return num_bits == 4 ? 4 : 8; }
+
+// (threads, chunks per thread) of dequant_reduce for an output group of `bytes` bytes.
+std::pair<int64_t, int64_t> reduce_launch(int64_t bytes, int num_bits)
 {
-    const int64_t load = num_bits == 4 ? 4 : 8;
-    const int64_t threads = std::min<int64_t>(next_pow2((bytes_per_group + load - 1) / load), 1024);
-    int64_t chunks = (bytes_per_group + threads * load - 1) / (threads * load);
+    const int64_t load = reduce_load_bytes(num_bits);
+    const int64_t threads = std::min(next_pow2((bytes + load - 1) / load), kReduceMaxThreads);
+    int64_t chunks = (bytes + threads * load - 1) / (threads * load);
     if (chunks >= 4) chunks += chunks % 2;
-    return threads * chunks * kBlock > bytes_per_group * (8 / num_bits);
+    return {threads, chunks};
+}
+
+// Whether the launch has more lanes than the group has values (idle lanes load zeros).
+bool swizzle_has_idle_lanes(int64_t elems)
+{
+    const auto launch = swizzle_launch(elems);
+    return launch.first * launch.second * kBlock > elems;
+}
+
+bool reduce_has_idle_lanes(int64_t bytes, int num_bits)
+{
+    const auto launch = reduce_launch(bytes, num_bits);
+    return launch.first * launch.second * kBlock > bytes * (8 / num_bits);
 }
 
 int64_t param_width(QuantType type) { return type == QuantType::Asymmetric ? 2 : 1; }
@@ -311,39 +335,39 @@ void quantize_group(const float* values,
 }  // namespace
 
 std::vector<at::Tensor> swizzle_quant(at::Tensor& input,
-                                      int groups,
+                                      int num_groups,
                                       int num_bits,
                                       QuantType type,
                                       int pipeline_size,
-                                      int nodes,
-                                      int devices_per_node)
+                                      int num_nodes,
+                                      int local_world_size)
 {
     check_bits(num_bits);
     TORCH_CHECK(input.scalar_type() == at::kHalf && input.is_contiguous(),
                 "swizzle_quant: input must be a contiguous float16 tensor");
     const int64_t numel = input.numel();
-    const int64_t partitions = static_cast<int64_t>(nodes) * devices_per_node;
-    TORCH_CHECK(groups > 0 && partitions > 0 && pipeline_size > 0 && numel % groups == 0 &&
-                    groups % (partitions * pipeline_size) == 0 && (numel / groups) % kBlock == 0,
+    const int64_t partitions = static_cast<int64_t>(num_nodes) * local_world_size;
+    TORCH_CHECK(num_groups > 0 && partitions > 0 && pipeline_size > 0 && numel % num_groups == 0 &&
+                    num_groups % (partitions * pipeline_size) == 0 && (numel / num_groups) % kBlock == 0,
                 "swizzle_quant: layout outside the kernel contract");
-    const int64_t elems = numel / groups;
-    const int64_t per_stage = groups / (partitions * pipeline_size);
+    const int64_t elems = numel / num_groups;
+    const int64_t per_stage = num_groups / (partitions * pipeline_size);
     const bool idle_lanes = swizzle_has_idle_lanes(elems);
     const int64_t bytes_per_group = elems * num_bits / 8;
 
     auto output = at::empty({numel * num_bits / 8}, input.options().dtype(at::kChar));
-    auto params = at::empty({groups, param_width(type)}, input.options().dtype(at::kFloat));
+    auto params = at::empty({num_groups, param_width(type)}, input.options().dtype(at::kFloat));
     const auto* src = reinterpret_cast<const uint16_t*>(input.data_ptr<at::Half>());
     auto* dst = output.data_ptr<int8_t>();
     auto* params_dst = params.data_ptr<float>();
 
-    at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> values(elems);
         for (int64_t group = begin; group < end; ++group) {
-            // Partition p = n * D + d goes to slot d * N + n; pipeline stages are outermost.
-            const int64_t partition = group / (groups / partitions);
-            const int64_t in_partition = group % (groups / partitions);
-            const int64_t slot = (partition % devices_per_node) * nodes + partition / devices_per_node;
+            // The swizzle order (qgz_contract.swizzle_slot), pipeline stages outermost.
+            const int64_t partition = group / (num_groups / partitions);
+            const int64_t in_partition = group % (num_groups / partitions);
+            const int64_t slot = (partition % local_world_size) * num_nodes + partition / local_world_size;
             const int64_t out_group =
                 ((in_partition / per_stage) * partitions + slot) * per_stage + in_partition % per_stage;
 
@@ -367,7 +391,7 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
                                             int out_groups,
                                             int num_bits,
                                             QuantType type,
-                                            int devices_per_node)
+                                            int local_world_size)
 {
     check_bits(num_bits);
     TORCH_CHECK(input.scalar_type() == at::kChar && input.is_contiguous(),
@@ -375,12 +399,12 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
     TORCH_CHECK(input_scales.scalar_type() == at::kFloat && input_scales.is_contiguous(),
                 "quantized_reduction: scales must be a contiguous float32 tensor");
     const int64_t numel = input.numel();
-    TORCH_CHECK(devices_per_node > 0 && in_groups > 0 && out_groups > 0 && numel % devices_per_node == 0 &&
-                    in_groups % devices_per_node == 0 && input_scales.numel() == in_groups * param_width(type),
+    TORCH_CHECK(local_world_size > 0 && in_groups > 0 && out_groups > 0 && numel % local_world_size == 0 &&
+                    in_groups % local_world_size == 0 && input_scales.numel() == in_groups * param_width(type),
                 "quantized_reduction: layout outside the kernel contract");
-    const int64_t bytes_per_tensor = numel / devices_per_node;
-    const int64_t groups_per_tensor = in_groups / devices_per_node;
-    const int64_t load = num_bits == 4 ? 4 : 8;
+    const int64_t bytes_per_tensor = numel / local_world_size;
+    const int64_t groups_per_tensor = in_groups / local_world_size;
+    const int64_t load = reduce_load_bytes(num_bits);
     TORCH_CHECK(bytes_per_tensor % groups_per_tensor == 0 && bytes_per_tensor % out_groups == 0 &&
                     (bytes_per_tensor / groups_per_tensor) % load == 0 &&
                     (bytes_per_tensor / out_groups) % load == 0,
@@ -392,7 +416,7 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
     const bool idle_lanes = reduce_has_idle_lanes(bytes_per_out_group, num_bits);
 
     auto sizes = input.sizes().vec();
-    sizes.back() /= devices_per_node;
+    sizes.back() /= local_world_size;
     auto output = at::empty(sizes, input.options());
     auto params = at::empty({out_groups, param_width(type)}, input_scales.options());
     const int8_t* src = input.data_ptr<int8_t>();
@@ -408,7 +432,7 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
                 const int64_t in_group = offset / bytes_per_in_group;
                 float* acc = sum.data() + b * kBlock;
                 std::fill(acc, acc + kBlock, 0.0f);  // +0, as the kernel's accumulator starts
-                for (int64_t device = 0; device < devices_per_node; ++device) {
+                for (int64_t device = 0; device < local_world_size; ++device) {
                     // Device j's parameters start j * groups_per_tensor floats in, whatever their
                     // width: for asymmetric pairs that reads shifted pairs past device 0, as the
                     // CUDA kernel does (upstream defect, reproduced; qgZ is symmetric).
@@ -429,7 +453,7 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
 }
 
 template <typename T>
-at::Tensor dequantize(at::Tensor& input, at::Tensor& params, int groups, int num_bits, QuantType type)
+at::Tensor dequantize(at::Tensor& input, at::Tensor& params, int num_groups, int num_bits, QuantType type)
 {
     check_bits(num_bits);
     TORCH_CHECK(input.scalar_type() == at::kChar && input.is_contiguous(),
@@ -437,10 +461,10 @@ at::Tensor dequantize(at::Tensor& input, at::Tensor& params, int groups, int num
     TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous(),
                 "dequantize: params must be a contiguous float32 tensor");
     const int64_t total = input.numel() * 8 / num_bits;
-    TORCH_CHECK(groups > 0 && total % groups == 0 && (total / groups) % kBlock == 0 &&
-                    params.numel() == groups * param_width(type),
+    TORCH_CHECK(num_groups > 0 && total % num_groups == 0 && (total / num_groups) % kBlock == 0 &&
+                    params.numel() == num_groups * param_width(type),
                 "dequantize: layout outside the kernel contract");
-    const int64_t elems = total / groups;
+    const int64_t elems = total / num_groups;
     const int64_t bytes_per_block = kBlock * num_bits / 8;
 
     auto sizes = input.sizes().vec();
@@ -451,7 +475,7 @@ at::Tensor dequantize(at::Tensor& input, at::Tensor& params, int groups, int num
     const float* group_params = params.data_ptr<float>();
     T* dst = output.data_ptr<T>();
 
-    at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
         float block[kBlock];
         for (int64_t group = begin; group < end; ++group) {
             for (int64_t i = 0; i < elems; i += kBlock) {
@@ -482,4 +506,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("quantized_reduction", &quantized_reduction, "Dequantize, sum over devices, requantize (CPU)");
     m.def("dequantize", &dequantize<at::Half>, "Dequantize to float16 (CPU)");
     m.def("dequantize_fp32", &dequantize<float>, "Dequantize to float32 (CPU)");
+    // The geometry and parameter width this file assumes, for the test against qgz_contract.py.
+    m.def("_swizzle_launch", &swizzle_launch, "(threads, chunks) of swizzle_quant for a group size");
+    m.def("_reduce_launch", &reduce_launch, "(threads, chunks) of quantized_reduction for out-group bytes");
+    m.def("_param_width", &param_width, "fp32 parameters per group for a quantization type");
 }

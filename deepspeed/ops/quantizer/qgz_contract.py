@@ -9,9 +9,14 @@ The CUDA kernels (csrc/quantization/swizzled_quantize.cu, quant_reduce.cu, dequa
 none of their size assumptions. A layout outside them does not fail: groups that do not divide
 evenly are dropped, 16-byte vectors that straddle a group read and overwrite the neighbour, and a
 group larger than the unroll tables launches no kernel at all. This module is the one place those
-assumptions are written down. The CPU op refuses any call that breaks them, the pure-PyTorch
-reference does the same, and the qgZ layout (deepspeed/runtime/comm/quantized_layout.py) satisfies
-them by construction, which its property test checks against the functions below.
+assumptions, the kernels' launch geometry and their swizzle order are written down. The CPU op
+refuses any call that breaks them (its launch geometry is tested against this module for every
+group size the contract allows), the pure-PyTorch reference does the same, and the qgZ layout
+(deepspeed/runtime/comm/quantized_layout.py) satisfies them by construction, which its property
+test checks against the functions below.
+
+The CUDA binding names the topology arguments ``nodes`` and ``devices_per_node``; here, as in the
+rest of qgZ, they are ``num_nodes`` and ``local_world_size``.
 
 Every ``*_violations`` function returns a list of human-readable violations (empty when the call is
 valid), each naming the condition and the values involved.
@@ -36,6 +41,32 @@ REDUCE_MAX_UNROLL = 12
 
 SUPPORTED_BITS = (4, 8)
 INT32_MAX = 2**31 - 1
+
+# Quantization types, as the bindings' QuantizationType enum numbers them.
+SYMMETRIC = 0
+ASYMMETRIC = 1
+
+
+def param_width(quant_type) -> int:
+    """fp32 parameters stored per group: [1 / scale] (symmetric) or [1 / scale, offset]."""
+    return 2 if int(quant_type) == ASYMMETRIC else 1
+
+
+def swizzle_slot(partition: int, num_nodes: int, local_world_size: int) -> int:
+    """The swizzle order: swizzle_quant writes partition ``p = n * D + d`` (node n, local rank d,
+    D = local_world_size) to slot ``d * N + n`` (N = num_nodes). Slots for one local rank are then
+    contiguous, so one intra-node all-to-all of equal blocks hands local rank d the slots of the
+    partitions it owns on every node, in node order."""
+    node, local_rank = divmod(partition, local_world_size)
+    return local_rank * num_nodes + node
+
+
+def to_slot_order(per_partition, num_nodes: int, local_world_size: int):
+    """A tensor whose leading dimension runs over partitions (``num_nodes * local_world_size``
+    rows in partition order) as a ``[local_world_size, num_nodes, ...]`` view in slot order
+    (see swizzle_slot)."""
+    rest = tuple(per_partition.shape[1:])
+    return per_partition.view(num_nodes, local_world_size, *rest).transpose(0, 1)
 
 
 def next_pow2(value: int) -> int:
@@ -66,6 +97,17 @@ def swizzle_launch(elems_per_group: int):
     return threads, (chunks if chunks <= SWIZZLE_MAX_UNROLL else None)
 
 
+def reduce_launch(bytes_per_out_group: int, num_bits: int):
+    """(threads, chunks per thread) of dequant_reduce for an output group; chunks is None if the
+    launcher has no kernel for it."""
+    load = reduce_load_bytes(num_bits)
+    threads = min(next_pow2(-(-bytes_per_out_group // load)), REDUCE_MAX_THREADS)
+    chunks = -(-bytes_per_out_group // (threads * load))
+    if chunks >= 4:
+        chunks += chunks % 2
+    return threads, (chunks if chunks <= REDUCE_MAX_UNROLL else None)
+
+
 def swizzle_stat_slots(elems_per_group: int) -> int:
     """Values a swizzle_quant block folds into its group statistics: lanes past the group load
     zeros, so when this exceeds the group size a zero takes part in the absmax (or min/max)."""
@@ -79,17 +121,6 @@ def reduce_stat_slots(bytes_per_out_group: int, num_bits: int) -> int:
     return threads * chunks * VECTOR_ELEMS
 
 
-def reduce_launch(bytes_per_out_group: int, num_bits: int):
-    """(threads, chunks per thread) of dequant_reduce for an output group; chunks is None if the
-    launcher has no kernel for it."""
-    load = reduce_load_bytes(num_bits)
-    threads = min(next_pow2(-(-bytes_per_out_group // load)), REDUCE_MAX_THREADS)
-    chunks = -(-bytes_per_out_group // (threads * load))
-    if chunks >= 4:
-        chunks += chunks % 2
-    return threads, (chunks if chunks <= REDUCE_MAX_UNROLL else None)
-
-
 def _common(num_bits) -> List[str]:
     problems = []
     if num_bits not in SUPPORTED_BITS:
@@ -97,30 +128,30 @@ def _common(num_bits) -> List[str]:
     return problems
 
 
-def swizzle_quant_violations(numel: int, groups: int, num_bits: int, pipeline_size: int, nodes: int,
-                             devices_per_node: int) -> List[str]:
+def swizzle_quant_violations(numel: int, num_groups: int, num_bits: int, pipeline_size: int, num_nodes: int,
+                             local_world_size: int) -> List[str]:
     problems = _common(num_bits)
-    partitions = nodes * devices_per_node
-    if nodes < 1 or devices_per_node < 1:
-        problems.append(f"nodes ({nodes}) and devices_per_node ({devices_per_node}) must be >= 1")
+    partitions = num_nodes * local_world_size
+    if num_nodes < 1 or local_world_size < 1:
+        problems.append(f"num_nodes ({num_nodes}) and local_world_size ({local_world_size}) must be >= 1")
         return problems
-    if groups < 1:
-        problems.append(f"groups must be >= 1, got {groups}")
+    if num_groups < 1:
+        problems.append(f"num_groups must be >= 1, got {num_groups}")
         return problems
     if numel > INT32_MAX:
         problems.append(f"numel {numel} exceeds the kernels' int32 indexing ({INT32_MAX})")
-    if numel % groups:
-        problems.append(f"numel {numel} is not divisible by groups {groups}: the trailing "
-                        f"{numel % groups} elements would be dropped")
-    if groups % partitions:
-        problems.append(f"groups {groups} is not divisible by nodes x devices_per_node = {nodes} x "
-                        f"{devices_per_node} = {partitions}")
-    elif pipeline_size < 1 or (groups // partitions) % pipeline_size:
-        problems.append(f"groups per partition {groups // partitions} is not divisible by "
+    if numel % num_groups:
+        problems.append(f"numel {numel} is not divisible by num_groups {num_groups}: the trailing "
+                        f"{numel % num_groups} elements would be dropped")
+    if num_groups % partitions:
+        problems.append(f"num_groups {num_groups} is not divisible by num_nodes x local_world_size = {num_nodes} x "
+                        f"{local_world_size} = {partitions}")
+    elif pipeline_size < 1 or (num_groups // partitions) % pipeline_size:
+        problems.append(f"groups per partition {num_groups // partitions} is not divisible by "
                         f"pipeline_size {pipeline_size}")
-    elems_per_group = numel // groups
+    elems_per_group = numel // num_groups
     if elems_per_group == 0 or elems_per_group % VECTOR_ELEMS:
-        problems.append(f"elements per group {elems_per_group} (numel {numel} / groups {groups}) is not a "
+        problems.append(f"elements per group {elems_per_group} (numel {numel} / num_groups {num_groups}) is not a "
                         f"positive multiple of the {VECTOR_ELEMS}-value vector width")
     elif swizzle_launch(elems_per_group)[1] is None:
         problems.append(f"elements per group {elems_per_group} exceeds swizzle_quant's largest launch "
@@ -129,28 +160,29 @@ def swizzle_quant_violations(numel: int, groups: int, num_bits: int, pipeline_si
 
 
 def quantized_reduction_violations(numel: int, scales_numel: int, in_groups: int, out_groups: int, num_bits: int,
-                                   scale_elems: int, devices_per_node: int) -> List[str]:
-    """`numel` is the int8 input's numel (bytes), holding `devices_per_node` equal tensors."""
+                                   quant_type, local_world_size: int) -> List[str]:
+    """`numel` is the int8 input's numel (bytes), holding `local_world_size` equal tensors."""
     problems = _common(num_bits)
-    if devices_per_node < 1 or in_groups < 1 or out_groups < 1:
-        problems.append(f"devices_per_node ({devices_per_node}), in_groups ({in_groups}) and out_groups "
+    if local_world_size < 1 or in_groups < 1 or out_groups < 1:
+        problems.append(f"local_world_size ({local_world_size}), in_groups ({in_groups}) and out_groups "
                         f"({out_groups}) must be >= 1")
         return problems
     if problems:
         return problems
     if numel > INT32_MAX:
         problems.append(f"input bytes {numel} exceed the kernels' int32 indexing ({INT32_MAX})")
-    if numel % devices_per_node:
-        problems.append(f"input bytes {numel} are not divisible by devices_per_node {devices_per_node}")
+    if numel % local_world_size:
+        problems.append(f"input bytes {numel} are not divisible by local_world_size {local_world_size}")
         return problems
-    if in_groups % devices_per_node:
-        problems.append(f"in_groups {in_groups} is not divisible by devices_per_node {devices_per_node}")
+    if in_groups % local_world_size:
+        problems.append(f"in_groups {in_groups} is not divisible by local_world_size {local_world_size}")
         return problems
-    if scales_numel != in_groups * scale_elems:
-        problems.append(f"input scales hold {scales_numel} values, expected in_groups x {scale_elems} = "
-                        f"{in_groups * scale_elems}")
-    bytes_per_tensor = numel // devices_per_node
-    groups_per_tensor = in_groups // devices_per_node
+    width = param_width(quant_type)
+    if scales_numel != in_groups * width:
+        problems.append(f"input scales hold {scales_numel} values, expected in_groups x {width} = "
+                        f"{in_groups * width}")
+    bytes_per_tensor = numel // local_world_size
+    groups_per_tensor = in_groups // local_world_size
     load = reduce_load_bytes(num_bits)
     if bytes_per_tensor % groups_per_tensor:
         problems.append(f"bytes per device {bytes_per_tensor} are not divisible by in-groups per device "
@@ -171,24 +203,25 @@ def quantized_reduction_violations(numel: int, scales_numel: int, in_groups: int
     return problems
 
 
-def dequantize_violations(numel: int, params_numel: int, groups: int, num_bits: int, scale_elems: int) -> List[str]:
+def dequantize_violations(numel: int, params_numel: int, num_groups: int, num_bits: int, quant_type) -> List[str]:
     """`numel` is the int8 input's numel (bytes)."""
     problems = _common(num_bits)
     if problems:
         return problems
-    if groups < 1:
-        return [f"groups must be >= 1, got {groups}"]
+    if num_groups < 1:
+        return [f"num_groups must be >= 1, got {num_groups}"]
     total = numel * values_per_byte(num_bits)
     if total > INT32_MAX:
         problems.append(f"output elements {total} exceed the kernels' int32 indexing ({INT32_MAX})")
-    if total % groups:
-        problems.append(f"output elements {total} are not divisible by groups {groups}: the last group would "
-                        f"read parameters past the end")
-    elif (total // groups) % VECTOR_ELEMS or total == 0:
-        problems.append(f"elements per group {total // groups} is not a positive multiple of the "
+    if total % num_groups:
+        problems.append(f"output elements {total} are not divisible by num_groups {num_groups}: the last group "
+                        f"would read parameters past the end")
+    elif (total // num_groups) % VECTOR_ELEMS or total == 0:
+        problems.append(f"elements per group {total // num_groups} is not a positive multiple of the "
                         f"{VECTOR_ELEMS}-value vector width")
-    if params_numel != groups * scale_elems:
-        problems.append(f"params hold {params_numel} values, expected groups x {scale_elems} = {groups * scale_elems}")
+    width = param_width(quant_type)
+    if params_numel != num_groups * width:
+        problems.append(f"params hold {params_numel} values, expected num_groups x {width} = {num_groups * width}")
     return problems
 
 
@@ -198,7 +231,9 @@ def require(problems: List[str], op: str) -> None:
 
 
 class ContractCheckedQuantizer:
-    """A loaded quantizer op module whose calls are checked against this contract first."""
+    """A loaded quantizer op module (the CUDA or the CPU build) whose calls are checked against
+    this contract first, so a layout the kernels would mishandle is refused with the condition and
+    the values instead of silently giving wrong results."""
 
     def __init__(self, ops):
         self.ops = ops
@@ -206,30 +241,27 @@ class ContractCheckedQuantizer:
         self.Symmetric = ops.Symmetric
         self.Asymmetric = ops.Asymmetric
 
-    def _scale_elems(self, quant_type) -> int:
-        return 2 if quant_type == self.Asymmetric else 1
-
-    def swizzle_quant(self, x, groups, num_bits, quant_type, pipeline_size, nodes, devices_per_node):
-        problems = swizzle_quant_violations(x.numel(), groups, num_bits, pipeline_size, nodes, devices_per_node)
+    def swizzle_quant(self, x, num_groups, num_bits, quant_type, pipeline_size, num_nodes, local_world_size):
+        problems = swizzle_quant_violations(x.numel(), num_groups, num_bits, pipeline_size, num_nodes,
+                                            local_world_size)
         if str(x.dtype) != "torch.float16":
             problems.insert(0, f"input must be float16 (the kernels read fp16), got {x.dtype}")
         require(problems, "swizzle_quant")
-        return self.ops.swizzle_quant(x.contiguous(), groups, num_bits, quant_type, pipeline_size, nodes,
-                                      devices_per_node)
+        return self.ops.swizzle_quant(x.contiguous(), num_groups, num_bits, quant_type, pipeline_size, num_nodes,
+                                      local_world_size)
 
-    def quantized_reduction(self, data, scales, in_groups, out_groups, num_bits, quant_type, devices_per_node):
+    def quantized_reduction(self, data, scales, in_groups, out_groups, num_bits, quant_type, local_world_size):
         require(
-            quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
-                                           self._scale_elems(quant_type), devices_per_node), "quantized_reduction")
+            quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits, quant_type,
+                                           local_world_size), "quantized_reduction")
         return self.ops.quantized_reduction(data.contiguous(), scales.contiguous(), in_groups, out_groups, num_bits,
-                                            quant_type, devices_per_node)
+                                            quant_type, local_world_size)
 
-    def dequantize(self, data, params, groups, num_bits, quant_type):
-        require(dequantize_violations(data.numel(), params.numel(), groups, num_bits, self._scale_elems(quant_type)),
-                "dequantize")
-        return self.ops.dequantize(data.contiguous(), params.contiguous(), groups, num_bits, quant_type)
+    def dequantize(self, data, params, num_groups, num_bits, quant_type):
+        require(dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type), "dequantize")
+        return self.ops.dequantize(data.contiguous(), params.contiguous(), num_groups, num_bits, quant_type)
 
-    def dequantize_fp32(self, data, params, groups, num_bits, quant_type):
-        require(dequantize_violations(data.numel(), params.numel(), groups, num_bits, self._scale_elems(quant_type)),
+    def dequantize_fp32(self, data, params, num_groups, num_bits, quant_type):
+        require(dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type),
                 "dequantize_fp32")
-        return self.ops.dequantize_fp32(data.contiguous(), params.contiguous(), groups, num_bits, quant_type)
+        return self.ops.dequantize_fp32(data.contiguous(), params.contiguous(), num_groups, num_bits, quant_type)

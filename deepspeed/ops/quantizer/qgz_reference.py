@@ -38,16 +38,12 @@ import torch
 
 from deepspeed.ops.quantizer import qgz_contract as contract
 
-Symmetric = 0
-Asymmetric = 1
+Symmetric = contract.SYMMETRIC
+Asymmetric = contract.ASYMMETRIC
 
 
 def _is_asymmetric(quant_type) -> bool:
     return int(quant_type) == Asymmetric
-
-
-def _scale_elems(quant_type) -> int:
-    return 2 if _is_asymmetric(quant_type) else 1
 
 
 def _fold_max(values: torch.Tensor, padded: bool) -> torch.Tensor:
@@ -57,22 +53,22 @@ def _fold_max(values: torch.Tensor, padded: bool) -> torch.Tensor:
     return out.clamp(min=0) if padded else out
 
 
-def _params(groups: torch.Tensor, num_bits: int, asymmetric: bool, padded: bool):
+def _params(rows: torch.Tensor, num_bits: int, asymmetric: bool, padded: bool):
     """Per-row (scale, offset) from fp32 rows holding fp16 values, as GroupStats/Params do."""
     levels = float(1 << num_bits)
     if asymmetric:
-        gmax = _fold_max(groups, padded)
-        gmin = -_fold_max(-groups, padded)
+        gmax = _fold_max(rows, padded)
+        gmin = -_fold_max(-rows, padded)
         scale = torch.where(gmax == gmin, torch.ones_like(gmax), levels / (gmax - gmin))
         return scale, (gmax + gmin) / 2
-    absmax = _fold_max(groups.abs(), padded)
+    absmax = _fold_max(rows.abs(), padded)
     scale = torch.where(absmax == 0, torch.ones_like(absmax), levels / (2 * absmax))
     return scale, None
 
 
-def _quantize(groups: torch.Tensor, scale: torch.Tensor, offset, num_bits: int) -> torch.Tensor:
+def _quantize(rows: torch.Tensor, scale: torch.Tensor, offset, num_bits: int) -> torch.Tensor:
     """fp32 rows -> int8 codes in [-2**(bits-1), 2**(bits-1) - 1]."""
-    shifted = groups if offset is None else groups - offset.unsqueeze(-1)
+    shifted = rows if offset is None else rows - offset.unsqueeze(-1)
     codes = torch.round(shifted * scale.unsqueeze(-1))  # round half to even, like __float2int_rn
     codes = torch.nan_to_num(codes, nan=0.0)
     half = 1 << (num_bits - 1)
@@ -122,55 +118,58 @@ def _dequantize_rows(codes: torch.Tensor, params: torch.Tensor, asymmetric: bool
     return codes * params[:, 0:1]
 
 
-def swizzle_quant(x: torch.Tensor, groups: int, num_bits: int, quant_type, pipeline_size: int, nodes: int,
-                  devices_per_node: int):
-    """Quantize `groups` equal groups of fp16 `x` and reorder them so that partition p = n * D + d
-    (node n, local rank d) lands in slot d * N + n. Returns (int8 data, fp32 params [groups, 1|2])."""
+def swizzle_quant(x: torch.Tensor, num_groups: int, num_bits: int, quant_type, pipeline_size: int, num_nodes: int,
+                  local_world_size: int):
+    """Quantize `num_groups` equal groups of fp16 `x` and reorder them into the swizzle order
+    (qgz_contract.swizzle_slot), pipeline stages outermost. Returns (int8 data, fp32 params
+    [num_groups, 1|2])."""
     if x.dtype != torch.float16:
         raise ValueError(f"swizzle_quant: input must be float16 (the kernels read fp16), got {x.dtype}")
     contract.require(
-        contract.swizzle_quant_violations(x.numel(), groups, num_bits, pipeline_size, nodes, devices_per_node),
-        "swizzle_quant")
-    elems = x.numel() // groups
+        contract.swizzle_quant_violations(x.numel(), num_groups, num_bits, pipeline_size, num_nodes,
+                                          local_world_size), "swizzle_quant")
+    elems = x.numel() // num_groups
     asymmetric = _is_asymmetric(quant_type)
-    rows = x.reshape(groups, elems).float()
+    rows = x.reshape(num_groups, elems).float()
     scale, offset = _params(rows, num_bits, asymmetric, contract.swizzle_stat_slots(elems) > elems)
     codes = _quantize(rows, scale, offset, num_bits)
     params = _stored_params(scale, offset)
 
-    per_stage = groups // (nodes * devices_per_node * pipeline_size)
+    partitions = num_nodes * local_world_size
+    per_stage = num_groups // (partitions * pipeline_size)
 
-    def swizzle(t):  # [nodes, devices, pipeline, groups per stage, ...] -> [pipeline, devices, nodes, ...]
-        t = t.reshape(nodes, devices_per_node, pipeline_size, per_stage, *t.shape[1:])
-        return t.permute(2, 1, 0, *range(3, t.dim())).reshape(groups, *t.shape[4:])
+    def swizzle(t):  # partition-major groups -> [pipeline stage, slot, group within the stage, ...]
+        t = t.reshape(partitions, pipeline_size, per_stage, *t.shape[1:])
+        slots = contract.to_slot_order(t, num_nodes, local_world_size)  # [D, N, pipeline, per_stage, ...]
+        return slots.movedim(2, 0).reshape(num_groups, *t.shape[3:])
 
     return _pack(swizzle(codes), num_bits), swizzle(params).contiguous()
 
 
 def quantized_reduction(data: torch.Tensor, scales: torch.Tensor, in_groups: int, out_groups: int, num_bits: int,
-                        quant_type, devices_per_node: int):
-    """Dequantize `devices_per_node` equal chunks of `data`, sum them in fp16 in chunk order and
+                        quant_type, local_world_size: int):
+    """Dequantize `local_world_size` equal chunks of `data`, sum them in fp16 in chunk order and
     requantize the sum in `out_groups` groups. Returns (int8 data, fp32 params [out_groups, 1|2])."""
     asymmetric = _is_asymmetric(quant_type)
     contract.require(
         contract.quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
-                                                _scale_elems(quant_type), devices_per_node), "quantized_reduction")
+                                                quant_type, local_world_size), "quantized_reduction")
     per_byte = contract.values_per_byte(num_bits)
-    bytes_per_tensor = data.numel() // devices_per_node
+    bytes_per_tensor = data.numel() // local_world_size
     values_per_tensor = bytes_per_tensor * per_byte
-    groups_per_tensor = in_groups // devices_per_node
+    groups_per_tensor = in_groups // local_world_size
     flat_params = scales.reshape(-1).float()
-    scale_elems = _scale_elems(quant_type)
+    width = contract.param_width(quant_type)
 
     total = torch.zeros(values_per_tensor, dtype=torch.float16, device=data.device)
-    for device in range(devices_per_node):
+    for device in range(local_world_size):
         chunk = data.reshape(-1)[device * bytes_per_tensor:(device + 1) * bytes_per_tensor]
         codes = _unpack(chunk, num_bits).reshape(groups_per_tensor, -1)
         # The kernel offsets device j's parameters by j * groups_per_tensor floats whatever their
         # width, so for asymmetric parameters devices past the first read shifted pairs (upstream
         # defect, reproduced: qgZ itself is symmetric).
         base = device * groups_per_tensor
-        params = flat_params[base:base + groups_per_tensor * scale_elems].reshape(groups_per_tensor, scale_elems)
+        params = flat_params[base:base + groups_per_tensor * width].reshape(groups_per_tensor, width)
         values = _dequantize_rows(codes, params, asymmetric).half().reshape(-1)
         # fp32 holds the exact sum of two fp16 values, so rounding it once is the fp16 add.
         total = (total.float() + values.float()).half()
@@ -180,27 +179,27 @@ def quantized_reduction(data: torch.Tensor, scales: torch.Tensor, in_groups: int
     padded = contract.reduce_stat_slots(bytes_per_tensor // out_groups, num_bits) > out_elems
     scale, offset = _params(rows, num_bits, asymmetric, padded)
     out_sizes = list(data.shape)
-    out_sizes[-1] //= devices_per_node
+    out_sizes[-1] //= local_world_size
     packed = _pack(_quantize(rows, scale, offset, num_bits), num_bits)
     return packed.reshape(out_sizes), _stored_params(scale, offset).contiguous()
 
 
-def _dequantize(data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int, quant_type,
+def _dequantize(data: torch.Tensor, params: torch.Tensor, num_groups: int, num_bits: int, quant_type,
                 dtype: torch.dtype) -> torch.Tensor:
     asymmetric = _is_asymmetric(quant_type)
-    contract.require(
-        contract.dequantize_violations(data.numel(), params.numel(), groups, num_bits, _scale_elems(quant_type)),
-        "dequantize")
-    codes = _unpack(data, num_bits).reshape(groups, -1)
-    values = _dequantize_rows(codes, params.reshape(groups, -1).float(), asymmetric).to(dtype)
+    contract.require(contract.dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type),
+                     "dequantize")
+    codes = _unpack(data, num_bits).reshape(num_groups, -1)
+    values = _dequantize_rows(codes, params.reshape(num_groups, -1).float(), asymmetric).to(dtype)
     out_sizes = list(data.shape)
     out_sizes[-1] *= contract.values_per_byte(num_bits)
     return values.reshape(out_sizes)
 
 
-def dequantize(data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int, quant_type) -> torch.Tensor:
-    return _dequantize(data, params, groups, num_bits, quant_type, torch.float16)
+def dequantize(data: torch.Tensor, params: torch.Tensor, num_groups: int, num_bits: int, quant_type) -> torch.Tensor:
+    return _dequantize(data, params, num_groups, num_bits, quant_type, torch.float16)
 
 
-def dequantize_fp32(data: torch.Tensor, params: torch.Tensor, groups: int, num_bits: int, quant_type) -> torch.Tensor:
-    return _dequantize(data, params, groups, num_bits, quant_type, torch.float32)
+def dequantize_fp32(data: torch.Tensor, params: torch.Tensor, num_groups: int, num_bits: int,
+                    quant_type) -> torch.Tensor:
+    return _dequantize(data, params, num_groups, num_bits, quant_type, torch.float32)

@@ -9,6 +9,13 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
+import deepspeed_qgz
+from deepspeed_qgz.harness import free_port, overlay_active
+
+pytestmark = pytest.mark.skipif(not overlay_active(), reason="DeepSpeed is patched in-tree: no overlay installed")
+
 PROBE = ("import deepspeed.runtime.zero.stage3 as s3, deepspeed.runtime.comm.coalesced_collectives as cc; "
          "assert s3.all_to_all_quant_reduce is cc.all_to_all_quant_reduce; "
          "assert s3.reduce_scatter_coalesced is cc.reduce_scatter_coalesced; print(cc.__file__)")
@@ -50,6 +57,7 @@ def test_status_cli(cpu_quantizer):
     assert "replaces deepspeed/runtime/comm/coalesced_collectives.py" in out
     assert "adds     op_builder/cpu/quantizer.py" in out
     assert "adds     csrc/cpu/quantization/quantizer.cpp" in out
+    assert "edits    accelerator/cpu_accelerator.py" in out and "edits    op_builder/cpu/__init__.py" in out
     assert "stage3.all_to_all_quant_reduce from " in out and "deepspeed_qgz/tree" in out
     assert "cpu quantizer op: builds and loads" in out
     off = python(["-m", "deepspeed_qgz", "status"], DS_QGZ_OVERLAY="0")
@@ -65,6 +73,16 @@ def test_diff_cli_is_a_reviewable_patch():
     assert "--- /dev/null\n+++ b/csrc/cpu/quantization/quantizer.cpp" in out
     # upstream's silent fallback is gone
     assert "-            logger.warning(" in out
+    # edits to upstream files are hunks of those files, at source-tree paths
+    assert "--- a/accelerator/cpu_accelerator.py\n+++ b/accelerator/cpu_accelerator.py" in out
+    assert '+        elif class_name == "QuantizerBuilder":' in out
+    assert "+from .quantizer import QuantizerBuilder" in out
+    headers = [line for line in out.splitlines() if line.startswith(("--- ", "+++ "))]
+    assert not [h for h in headers if "deepspeed/accelerator/" in h or "deepspeed/ops/op_builder/" in h], headers
+    sdist = python(["-m", "deepspeed_qgz", "diff", "--sdist"])
+    for copy in ("deepspeed/accelerator/cpu_accelerator.py", "deepspeed/ops/op_builder/cpu/quantizer.py",
+                 "deepspeed/ops/csrc/cpu/quantization/quantizer.cpp"):
+        assert f"+++ b/{copy}" in sdist
 
 
 def test_untested_deepspeed_release_keeps_upstream(monkeypatch):
@@ -91,13 +109,13 @@ def test_first_call_logs_overlay_version_once_on_rank_0():
             "deepspeed.init_distributed(dist_backend='gloo')\n"
             "from deepspeed.runtime.zero import stage3\n"
             "for _ in range(2): stage3.reduce_scatter_coalesced([torch.ones(4)])\n")
-    out = python(code, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    out = python(code, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     lines = [line for line in out.splitlines() if "qgZ overlay active" in line]
-    assert len(lines) == 1 and "[Rank 0]" in lines[0] and "deepspeed-qgz 0.1.0 on deepspeed 0.19.8" in lines[0]
+    expected = f"deepspeed-qgz {deepspeed_qgz.__version__} on deepspeed 0.19.8"
+    assert len(lines) == 1 and "[Rank 0]" in lines[0] and expected in lines[0]
 
 
-def _port():
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def test_an_edit_that_no_longer_matches_fails_loudly():
+    from deepspeed_qgz.upstream_edits import EditError, apply_edits
+    with pytest.raises(EditError, match="expected 2 occurrence"):
+        apply_edits("accelerator/cpu_accelerator.py", "class CPU_Accelerator: pass\n")

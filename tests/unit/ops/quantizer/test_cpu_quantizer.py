@@ -12,23 +12,19 @@ from hypothesis import assume, given, settings, strategies as st
 
 from deepspeed.ops.quantizer import qgz_contract as contract
 from deepspeed.ops.quantizer import qgz_reference as ref
+from deepspeed_qgz.harness import same_bits
 
 SPECIALS = [0.0, -0.0, 65504.0, -65504.0, 6e-8, -6e-8, 1e-4, float("inf"), float("-inf"), float("nan")]
 
 
-def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                                                     b.contiguous().view(torch.uint8))
-
-
 @st.composite
 def layouts(draw):
-    nodes, devices = draw(st.integers(1, 5)), draw(st.integers(1, 4))
+    num_nodes, local_size = draw(st.integers(1, 5)), draw(st.integers(1, 4))
     groups_per_partition = draw(st.integers(1, 3))
     elems = 8 * draw(st.one_of(st.integers(1, 160), st.sampled_from([511, 512, 513, 1024, 5120])))
     bits = draw(st.sampled_from([4, 8]))
     asymmetric = draw(st.booleans())
-    return nodes, devices, groups_per_partition, elems, bits, asymmetric
+    return num_nodes, local_size, groups_per_partition, elems, bits, asymmetric
 
 
 @st.composite
@@ -49,24 +45,24 @@ def fp16_values(draw, numel):
 @given(layout=layouts(), data=st.data())
 def test_ops_match_reference_bit_for_bit(cpu_quantizer, layout, data):
     op = cpu_quantizer
-    nodes, devices, gpp, elems, bits, asymmetric = layout
-    groups = nodes * devices * gpp
-    assume(groups * elems <= 400_000)
-    x = data.draw(fp16_values(groups * elems))
+    num_nodes, local_size, gpp, elems, bits, asymmetric = layout
+    num_groups = num_nodes * local_size * gpp
+    assume(num_groups * elems <= 400_000)
+    x = data.draw(fp16_values(num_groups * elems))
     op_type, ref_type = (op.Asymmetric, ref.Asymmetric) if asymmetric else (op.Symmetric, ref.Symmetric)
 
-    q, s = op.swizzle_quant(x, groups, bits, op_type, 1, nodes, devices)
-    rq, rs = ref.swizzle_quant(x, groups, bits, ref_type, 1, nodes, devices)
+    q, s = op.swizzle_quant(x, num_groups, bits, op_type, 1, num_nodes, local_size)
+    rq, rs = ref.swizzle_quant(x, num_groups, bits, ref_type, 1, num_nodes, local_size)
     assert same_bits(q, rq) and same_bits(s, rs)
 
     # qgZ's one-to-one in/out groups, or fewer and larger output groups where the contract allows
     candidates = [
-        g for g in (groups // devices, groups // devices // gpp)
-        if not contract.quantized_reduction_violations(q.numel(), s.numel(), groups, g, bits, s.shape[1], devices)
+        g for g in (num_groups // local_size, num_groups // local_size // gpp)
+        if not contract.quantized_reduction_violations(q.numel(), s.numel(), num_groups, g, bits, op_type, local_size)
     ]
     out_groups = data.draw(st.sampled_from(candidates))
-    r, rscale = op.quantized_reduction(q, s, groups, out_groups, bits, op_type, devices)
-    rr, rrscale = ref.quantized_reduction(q, s, groups, out_groups, bits, ref_type, devices)
+    r, rscale = op.quantized_reduction(q, s, num_groups, out_groups, bits, op_type, local_size)
+    rr, rrscale = ref.quantized_reduction(q, s, num_groups, out_groups, bits, ref_type, local_size)
     assert same_bits(r, rr) and same_bits(rscale, rrscale)
 
     for fn in ("dequantize", "dequantize_fp32"):
@@ -79,20 +75,20 @@ Q = object()  # stands for each module's Symmetric
 
 
 @pytest.mark.parametrize("fn_args,message", [
-    (("swizzle_quant", torch.zeros(96, dtype=torch.half), 7, 4, Q, 1, 1, 1), "not divisible by groups 7"),
-    (("swizzle_quant", torch.zeros(96, dtype=torch.half), 4, 4, Q, 1, 3, 1), "nodes x devices_per_node"),
+    (("swizzle_quant", torch.zeros(96, dtype=torch.half), 7, 4, Q, 1, 1, 1), "not divisible by num_groups 7"),
+    (("swizzle_quant", torch.zeros(96, dtype=torch.half), 4, 4, Q, 1, 3, 1), "num_nodes x local_world_size"),
     (("swizzle_quant", torch.zeros(80, dtype=torch.half), 4, 4, Q, 1, 2, 2), "vector width"),
     (("swizzle_quant", torch.zeros(49152, dtype=torch.half), 1, 4, Q, 1, 1, 1), "largest launch"),
     (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 4, Q, 3, 2, 2), "pipeline_size"),
     (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 3, Q, 1, 2, 2), "num_bits"),
     (("swizzle_quant", torch.zeros(64, dtype=torch.float32), 4, 4, Q, 1, 2, 2), "float16"),
     (("quantized_reduction", torch.zeros(60, dtype=torch.int8), torch.ones(6,
-                                                                           1), 6, 3, 4, Q, 4), "devices_per_node 4"),
+                                                                           1), 6, 3, 4, Q, 4), "local_world_size 4"),
     (("quantized_reduction", torch.zeros(12, dtype=torch.int8), torch.ones(6, 1), 6, 3, 4, Q, 2), "4-byte load"),
     (("quantized_reduction", torch.zeros(48, dtype=torch.int8), torch.ones(5, 1), 6, 3, 4, Q, 2), "scales hold 5"),
     (("quantized_reduction", torch.zeros(2 * 65536, dtype=torch.int8), torch.ones(
         2, 1), 2, 1, 4, Q, 2), "largest launch"),
-    (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(3, 1), 3, 4, Q), "not divisible by groups 3"),
+    (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(3, 1), 3, 4, Q), "not divisible by num_groups 3"),
     (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(10, 1), 10, 4, Q), "vector width"),
     (("dequantize", torch.zeros(16, dtype=torch.int8), torch.ones(3, 1), 2, 4, Q), "params hold 3"),
 ])
@@ -127,9 +123,27 @@ def test_non_finite_inputs_as_the_kernels_treat_them(cpu_quantizer):
     assert torch.isnan(out[8:]).all()
 
 
+def test_launch_geometry_matches_the_contract(cpu_quantizer):
+    """The CPU op's copy of the CUDA launch geometry (for the statistics' idle lanes) against
+    qgz_contract's, for every group size the contract allows, and the parameter widths."""
+    ops = cpu_quantizer.ops
+    for elems in range(contract.VECTOR_ELEMS, contract.SWIZZLE_MAX_GROUP_ELEMS + 1, contract.VECTOR_ELEMS):
+        assert tuple(ops._swizzle_launch(elems)) == contract.swizzle_launch(elems), elems
+    for bits in contract.SUPPORTED_BITS:
+        load = contract.reduce_load_bytes(bits)
+        largest = contract.reduce_max_group_elems(bits) // contract.values_per_byte(bits)
+        for out_group_bytes in range(load, largest + 1, load):
+            assert tuple(ops._reduce_launch(out_group_bytes, bits)) == contract.reduce_launch(out_group_bytes, bits)
+        assert contract.reduce_launch(largest + load, bits)[1] is None
+    assert contract.swizzle_launch(contract.SWIZZLE_MAX_GROUP_ELEMS + contract.VECTOR_ELEMS)[1] is None
+    for quant_type in (ops.Symmetric, ops.Asymmetric):
+        assert ops._param_width(quant_type) == contract.param_width(quant_type)
+
+
 def test_portable_path_matches_reference():
     """The scalar path (non-x86 machines) built here with QGZ_SCALAR, against the reference."""
     from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder
+    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
 
     class ScalarQuantizerBuilder(QuantizerBuilder):
         NAME = "quantizer_cpu_scalar"
@@ -137,19 +151,19 @@ def test_portable_path_matches_reference():
         def cxx_args(self):
             return super().cxx_args() + ["-DQGZ_SCALAR"]
 
-    op = ScalarQuantizerBuilder().load()
+    op = ContractCheckedQuantizer(ScalarQuantizerBuilder().load())
     gen = torch.Generator().manual_seed(5)
-    for nodes, devices, elems, asymmetric in [(3, 2, 1000, False), (2, 3, 8, True), (1, 4, 40, False)]:
-        groups = nodes * devices * 2
-        x = (torch.randn(groups * elems, generator=gen) * 50).half()
+    for num_nodes, local_size, elems, asymmetric in [(3, 2, 1000, False), (2, 3, 8, True), (1, 4, 40, False)]:
+        num_groups = num_nodes * local_size * 2
+        x = (torch.randn(num_groups * elems, generator=gen) * 50).half()
         x[3], x[elems + 1], x[-1] = float("nan"), float("inf"), -65504
         op_type, ref_type = (op.Asymmetric, ref.Asymmetric) if asymmetric else (op.Symmetric, ref.Symmetric)
         for bits in (4, 8):
-            q, s = op.swizzle_quant(x, groups, bits, op_type, 1, nodes, devices)
-            rq, rs = ref.swizzle_quant(x, groups, bits, ref_type, 1, nodes, devices)
+            q, s = op.swizzle_quant(x, num_groups, bits, op_type, 1, num_nodes, local_size)
+            rq, rs = ref.swizzle_quant(x, num_groups, bits, ref_type, 1, num_nodes, local_size)
             assert same_bits(q, rq) and same_bits(s, rs)
-            r, r_s = op.quantized_reduction(q, s, groups, groups // devices, bits, op_type, devices)
-            rr, rr_s = ref.quantized_reduction(q, s, groups, groups // devices, bits, ref_type, devices)
+            r, r_s = op.quantized_reduction(q, s, num_groups, num_groups // local_size, bits, op_type, local_size)
+            rr, rr_s = ref.quantized_reduction(q, s, num_groups, num_groups // local_size, bits, ref_type, local_size)
             assert same_bits(r, rr) and same_bits(r_s, rr_s)
-            assert same_bits(op.dequantize(r, r_s, groups // devices, bits, op_type),
-                             ref.dequantize(r, r_s, groups // devices, bits, ref_type))
+            assert same_bits(op.dequantize(r, r_s, num_groups // local_size, bits, op_type),
+                             ref.dequantize(r, r_s, num_groups // local_size, bits, ref_type))

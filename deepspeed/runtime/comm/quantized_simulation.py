@@ -1,0 +1,67 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""
+all_to_all_quant_reduce for a whole simulated cluster in one process.
+
+Every rank's stages run here, with the kernels all_to_all_quant_reduce uses, and the two
+all-to-alls become the permutations they perform. Rank results are bit-identical to a real run's.
+For testing layouts and topologies without processes, for checking a quantizer build against
+another (scripts/gpu_check.py), and for measuring qgZ's error on real gradients at cluster shapes
+this machine cannot run (benchmarks/convergence.py).
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from deepspeed.runtime.comm import coalesced_collectives as cc
+from deepspeed.runtime.comm.quantized_layout import (QuantizedReduceLayout, quantized_reduce_layout,
+                                                     resolve_group_size)
+
+
+def simulate_all_to_all_quant_reduce(inputs: Sequence[Sequence[torch.Tensor]],
+                                     num_nodes: int,
+                                     local_world_size: int,
+                                     quantizer=None,
+                                     group_size: Optional[int] = None
+                                     ) -> Tuple[List[List[torch.Tensor]], QuantizedReduceLayout]:
+    """Args:
+        inputs: inputs[r] is rank r's list of tensors (two or more dimensions, the same shapes on
+            every rank), for the num_nodes x local_world_size ranks in rank order.
+        quantizer: the quantizer op module (default: the one all_to_all_quant_reduce loads).
+        group_size: as all_to_all_quant_reduce's.
+
+    Returns:
+        (outputs, layout): outputs[r] is rank r's list of results, as all_to_all_quant_reduce's.
+    """
+    world = num_nodes * local_world_size
+    if len(inputs) != world:
+        raise ValueError(f"expected inputs for {num_nodes} x {local_world_size} = {world} ranks, got {len(inputs)}")
+    quantizer = cc._get_quantizer_module() if quantizer is None else quantizer
+    layout = quantized_reduce_layout(tuple(t.numel() for t in inputs[0]), num_nodes, local_world_size,
+                                     resolve_group_size(group_size))
+
+    def coordinates(rank):
+        return divmod(rank, local_world_size)  # (node, local rank)
+
+    slots = [
+        cc.quantize_partitions(list(inputs[rank]), layout, quantizer).view(local_world_size, num_nodes, -1)
+        for rank in range(world)
+    ]
+    # Intra-node all-to-all: local rank d receives block d of each local peer, in peer order.
+    node_sums = []
+    for rank in range(world):
+        node, local_rank = coordinates(rank)
+        peers = range(node * local_world_size, (node + 1) * local_world_size)
+        received = torch.cat([slots[peer][local_rank] for peer in peers])
+        node_sums.append(cc.reduce_within_node(received, layout, quantizer))
+    # Inter-node all-to-all among equal local ranks: node n receives row n of each node's sums.
+    outputs = []
+    for rank in range(world):
+        node, local_rank = coordinates(rank)
+        received = torch.stack([node_sums[m * local_world_size + local_rank][node] for m in range(num_nodes)])
+        average = cc.average_across_nodes(received, layout, quantizer, inputs[rank][0].dtype)
+        outputs.append(layout.partitions(average, rank))
+    return outputs, layout

@@ -1,0 +1,49 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The CPU quantizer is a first-class DeepSpeed op on the CPU accelerator: the registry hands it
+out, __compatible_ops__ and ds_report list it (through the overlay and in-tree alike)."""
+
+import subprocess
+import sys
+import tempfile
+
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder as CPUQuantizerBuilder
+
+
+def run(args):
+    with tempfile.TemporaryDirectory() as cwd:
+        result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return result.stdout
+
+
+def test_registry_hands_out_the_cpu_quantizer():
+    assert get_accelerator().device_name() == "cpu"
+    builder = get_accelerator().create_op_builder("QuantizerBuilder")
+    assert type(builder) is CPUQuantizerBuilder and builder.name == "quantizer_cpu"
+    from deepspeed.ops.op_builder import QuantizerBuilder
+    assert QuantizerBuilder is CPUQuantizerBuilder
+
+
+def test_compatible_ops_and_ds_report_list_it():
+    # fresh interpreters: __compatible_ops__ is computed once per process
+    out = run([sys.executable, "-c", "import deepspeed; from deepspeed.ops.op_builder import QuantizerBuilder; "
+               "print(QuantizerBuilder.NAME, deepspeed.ops.__compatible_ops__[QuantizerBuilder.NAME])"])
+    assert out.strip().splitlines()[-1] == "quantizer_cpu True"
+    report = run(["ds_report"])
+    line = next(line for line in report.splitlines() if line.startswith("quantizer_cpu"))
+    assert "OKAY" in line
+
+
+def test_cpu_and_cuda_ops_never_share_a_cache_entry(cpu_quantizer):
+    """OpBuilder caches loaded ops by name across builder classes: the CPU op's own name keeps a
+    process that also builds the CUDA op (scripts/gpu_check.py --dry-run-on-cpu) from mixing them."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from deepspeed.ops.op_builder.quantizer import QuantizerBuilder as CUDAQuantizerBuilder
+    assert CUDAQuantizerBuilder.NAME == "quantizer" != CPUQuantizerBuilder.NAME
+    first, second = CPUQuantizerBuilder().load(), get_accelerator().create_op_builder("QuantizerBuilder").load()
+    assert first is second is OpBuilder._loaded_ops["quantizer_cpu"]
+    assert "quantizer" not in OpBuilder._loaded_ops
