@@ -163,10 +163,13 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
     exponent = None
     if dtype != torch.float16:
         exponent = _exponent(absmax)
-        factors = torch.nn.functional.pad(torch.pow(0.5, exponent), (0, layout.scale_groups), value=1.0)
-        fp16 = torch.empty(slots.shape, dtype=torch.float16, device=device)
+        # powers of two, exact in the gradients' dtype (so the product is computed in that dtype)
+        factors = torch.nn.functional.pad(torch.pow(0.5, exponent), (0, layout.scale_groups), value=1.0).to(dtype)
+        # bf16 is rewritten as fp16 in place (same width, element by element); fp32 needs a buffer
+        fp16 = (slots.view(torch.float16) if slots.element_size() == 2 else torch.empty(
+            slots.shape, dtype=torch.float16, device=device))
         torch.mul(layout.grouped(slots), factors.unsqueeze(-1), out=layout.grouped(fp16))
-        slots = fp16  # the input-dtype copy is freed here, before the kernel allocates its output
+        slots = fp16
     data, scales = quantizer.swizzle_quant(slots.view(-1), world * layout.slot_groups, QUANT_BITS,
                                            quantizer.Symmetric, 1, num_nodes, local_world_size)
     del slots
