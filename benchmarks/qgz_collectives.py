@@ -112,7 +112,13 @@ def work_worker(args):
             tensors = [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
             elems = sum(t.numel() for t in tensors)
             for method, (module, call) in methods(ours, upstream, groups).items():
-                row = {"bucket": bucket, "dtype": dtype_name, "method": method, "tensors": len(tensors), "elems": elems}
+                row = {
+                    "bucket": bucket,
+                    "dtype": dtype_name,
+                    "method": method,
+                    "tensors": len(tensors),
+                    "elems": elems
+                }
                 quantizer = quantizers["ours" if module is ours else "upstream"]
                 try:
                     call([t.clone() for t in tensors])  # warm-up
@@ -217,10 +223,11 @@ def report(results, memory, args):
                     added = r["ops"] + r["kernel_calls"] - single["ops"] - single["kernel_calls"]
                     per_tensor = f"{added / (r['tensors'] - 1):.1f}"
                 padding = f"{r['padding_elems'] / r['elems']:.2%}" if "padding_elems" in r else ""
-                lines.append(f"| {bucket} | {dtype_name} | {method} | {r['ops']} | {per_tensor} | {r['kernel_calls']} | "
-                             f"{r['collectives']} | {r['bytes'] / r['elems']:.1f} | {r['inter_bytes'] / 1e3:.1f} | "
-                             f"{r['inter_bytes'] / rs['inter_bytes']:.3f}x | {padding} | {gpu_s(r) * 1e6:.0f} | "
-                             f"{network_s(r) * 1e6:.0f} | {r['median_s'] * 1e3:.2f} |")
+                lines.append(
+                    f"| {bucket} | {dtype_name} | {method} | {r['ops']} | {per_tensor} | {r['kernel_calls']} | "
+                    f"{r['collectives']} | {r['bytes'] / r['elems']:.1f} | {r['inter_bytes'] / 1e3:.1f} | "
+                    f"{r['inter_bytes'] / rs['inter_bytes']:.3f}x | {padding} | {gpu_s(r) * 1e6:.0f} | "
+                    f"{network_s(r) * 1e6:.0f} | {r['median_s'] * 1e3:.2f} |")
     lines += [
         "", f"Extra peak resident memory of one call on a {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]} tensor "
         f"({MEMORY_SHAPE[0] * MEMORY_SHAPE[1] / 1e6:.1f}M elements), bytes per gradient element, the largest over "
@@ -246,9 +253,7 @@ def chart(results, path):
     for ax, metric, label in ((axes[0], gpu_s, "modeled GPU work, us (launches + HBM traffic)"),
                               (axes[1], network_s, "modeled network, us (collectives + link bytes)")):
         for i, method in enumerate(METHODS):
-            values = [
-                metric(by_key[(b, method)]) * 1e6 if "error" not in by_key[(b, method)] else 0 for b in names
-            ]
+            values = [metric(by_key[(b, method)]) * 1e6 if "error" not in by_key[(b, method)] else 0 for b in names]
             ax.bar([x + (i - 1.5) * width for x in range(len(names))], values, width, label=method)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, fontsize=7)
@@ -277,8 +282,12 @@ def main():
         return memory_worker(args)
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    common = [sys.executable, __file__, "--nodes", str(args.nodes), "--devices", str(args.devices), "--repeats",
-              str(args.repeats)]
+    common = [
+        sys.executable, __file__, "--nodes",
+        str(args.nodes), "--devices",
+        str(args.devices), "--repeats",
+        str(args.repeats)
+    ]
     log(f"collectives: {len(buckets())} buckets x {len(DTYPES)} dtypes x {len(METHODS)} methods at "
         f"{args.nodes}x{args.devices}")
     results = run_world(common + ["--worker", "work"], args.nodes, args.devices, timeout=1800)[0]["results"]

@@ -102,12 +102,13 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("status",
                         help="versions, overlay state, overlaid files, CPU op build").set_defaults(run=status)
-    diff_parser = commands.add_parser("diff", help="the patch against the installed upstream, as a unified diff "
+    diff_parser = commands.add_parser("diff",
+                                      help="the patch against the installed upstream, as a unified diff "
                                       "at DeepSpeed's source-tree paths (git apply-able)")
     diff_parser.add_argument("--sdist",
                              action="store_true",
-                             help="also patch the copies DeepSpeed's source distribution ships of "
-                             + ", ".join(dict(LINKED_DIRS)) + " (symbolic links in its git tree)")
+                             help="also patch the copies DeepSpeed's source distribution ships of " +
+                             ", ".join(dict(LINKED_DIRS)) + " (symbolic links in its git tree)")
     diff_parser.set_defaults(run=diff)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -71,8 +71,8 @@ def overlay_state():
 # The reduce-scatter entry points ZeRO-3 calls. The first call in a process (deepspeed.comm is up
 # by then, and the user's log level set) logs through DeepSpeed's logger, on rank 0, that the
 # overlay is active.
-ANNOUNCE_ON_FIRST_CALL = ("deepspeed.runtime.comm.coalesced_collectives",
-                          ("all_to_all_quant_reduce", "reduce_scatter_coalesced"))
+ANNOUNCE_ON_FIRST_CALL = ("deepspeed.runtime.comm.coalesced_collectives", ("all_to_all_quant_reduce",
+                                                                           "reduce_scatter_coalesced"))
 
 
 class _AnnouncingLoader(importlib.machinery.SourceFileLoader):

@@ -122,8 +122,8 @@ def run_torchrun_nodes(script: Sequence[str],
             command = [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes",
                 str(num_nodes), "--nproc-per-node",
-                str(local_world_size), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-                "--rdzv_id", f"qgz-{port}", "--local_addr", "127.0.0.1", *script
+                str(local_world_size), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id",
+                f"qgz-{port}", "--local_addr", "127.0.0.1", *script
             ]
             out = open(Path(logs) / f"node{node}.log", "w+")
             agents.append((subprocess.Popen(command, env=agent_env, stdout=out, stderr=subprocess.STDOUT), out))
@@ -264,7 +264,8 @@ def same_bits(a, b) -> bool:
     import torch
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8))
+    return torch.equal(a.detach().cpu().contiguous().view(torch.uint8),
+                       b.detach().cpu().contiguous().view(torch.uint8))
 
 
 # Allocations that write nothing: not counted as work.

@@ -34,11 +34,12 @@ EDITS: Tuple[Edit, ...] = (
          "PinMemoryBuilder, NotImplementedBuilder",
          "PinMemoryBuilder, QuantizerBuilder, NotImplementedBuilder",
          count=2),
-    Edit("accelerator/cpu_accelerator.py", '        elif class_name == "PinMemoryBuilder":\n'
-         '            return PinMemoryBuilder\n', '        elif class_name == "PinMemoryBuilder":\n'
-         '            return PinMemoryBuilder\n'
-         '        elif class_name == "QuantizerBuilder":\n'
-         '            return QuantizerBuilder\n'),
+    Edit(
+        "accelerator/cpu_accelerator.py", '        elif class_name == "PinMemoryBuilder":\n'
+        '            return PinMemoryBuilder\n', '        elif class_name == "PinMemoryBuilder":\n'
+        '            return PinMemoryBuilder\n'
+        '        elif class_name == "QuantizerBuilder":\n'
+        '            return QuantizerBuilder\n'),
 )
 
 

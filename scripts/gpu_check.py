@@ -128,10 +128,11 @@ def main():
                 err = (gpu_out[rank][i].cpu().double() - exact).abs()
                 worst = max(worst, float((err / bound).max()))
                 same &= bits_equal(gpu_out[rank][i], ref_out[rank][i])[0]
-        record(f"3x2 all_to_all_quant_reduce pipeline {str(dtype)[6:]}, {len(shapes)} tensors",
-               worst <= 1 and same and counter.kernel_calls == 3 * world,
-               f"max error / bound {worst:.3f}; kernels == reference bitwise: {same}; "
-               f"{counter.kernel_calls / world:.0f} kernel calls per rank")
+        record(
+            f"3x2 all_to_all_quant_reduce pipeline {str(dtype)[6:]}, {len(shapes)} tensors", worst <= 1 and same
+            and counter.kernel_calls == 3 * world,
+            f"max error / bound {worst:.3f}; kernels == reference bitwise: {same}; "
+            f"{counter.kernel_calls / world:.0f} kernel calls per rank")
 
     # Kernel time on a padded layout against an aligned one of about the same size.
     def kernel_seconds(numel):

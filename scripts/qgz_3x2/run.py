@@ -41,14 +41,15 @@ def run(config, steps, label="", timeout=900):
             progress.update(int(match.group(1)) + 1)
 
     with tempfile.TemporaryDirectory() as losses_dir:
-        output = run_torchrun_nodes(
-            [str(HERE / "train.py"), "--deepspeed_config",
-             str(config), "--steps",
-             str(steps), "--loss-dir", losses_dir],
-            NODES,
-            PROCS_PER_NODE,
-            timeout=timeout,
-            on_output=on_output)
+        output = run_torchrun_nodes([
+            str(HERE / "train.py"), "--deepspeed_config",
+            str(config), "--steps",
+            str(steps), "--loss-dir", losses_dir
+        ],
+                                    NODES,
+                                    PROCS_PER_NODE,
+                                    timeout=timeout,
+                                    on_output=on_output)
         reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(losses_dir).glob("rank*.json")}
     losses = {rank: reports[rank]["losses"] for rank in sorted(reports)}
     return losses, reports[0]["qgz"], output

@@ -145,7 +145,11 @@ struct Params {
 
 // Quantizes one block, rint((x - offset) * scale) with NaN -> 0 clamped to the code range, and
 // packs it: one code per byte for int8, two per byte for int4 (the first in the high nibble).
-inline void quantize_block(const float* v, const Params& p, QuantType type, int num_bits, int8_t* out)
+inline void quantize_block(const float* v,
+                           const Params& p,
+                           QuantType type,
+                           int num_bits,
+                           int8_t* out)
 {
     const float q_max = static_cast<float>((1 << (num_bits - 1)) - 1);
     const float q_min = -q_max - 1;
@@ -158,7 +162,8 @@ inline void quantize_block(const float* v, const Params& p, QuantType type, int 
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(q_min)), _mm256_set1_ps(q_max));
     const __m256i codes = _mm256_cvtps_epi32(x);
     if (num_bits == 8) {
-        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
+        const __m128i words =
+            _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(words, words));
         return;
     }
@@ -166,7 +171,8 @@ inline void quantize_block(const float* v, const Params& p, QuantType type, int 
     const __m256i nibbles = _mm256_and_si256(codes, _mm256_set1_epi32(0xF));
     const __m256i shifted = _mm256_sllv_epi32(nibbles, _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0));
     const __m256i pairs = _mm256_hadd_epi32(shifted, _mm256_setzero_si256());
-    const __m128i bytes4 = _mm_unpacklo_epi64(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+    const __m128i bytes4 =
+        _mm_unpacklo_epi64(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
     const __m128i words = _mm_packus_epi32(bytes4, bytes4);
     const int32_t packed = _mm_cvtsi128_si32(_mm_packus_epi16(words, words));
     std::memcpy(out, &packed, sizeof(packed));
@@ -193,7 +199,11 @@ inline void quantize_block(const float* v, const Params& p, QuantType type, int 
 
 // Dequantizes the 8 values packed at `in` (8 or 4 bytes) to fp32: q * scale, or fma(q, scale,
 // offset) for asymmetric parameters (nvcc contracts the multiply-add into one rounding).
-inline void dequantize_block(const int8_t* in, const float* params, QuantType type, int num_bits, float* out)
+inline void dequantize_block(const int8_t* in,
+                             const float* params,
+                             QuantType type,
+                             int num_bits,
+                             float* out)
 {
 #ifdef QGZ_AVX2
     __m256i codes;
@@ -205,13 +215,15 @@ inline void dequantize_block(const int8_t* in, const float* params, QuantType ty
         // [b0 b0 b1 b1 b2 b2 b3 b3], sign-extended; even lanes keep the high nibble, odd the low.
         const __m128i bytes = _mm_cvtsi32_si128(packed);
         codes = _mm256_cvtepi8_epi32(_mm_unpacklo_epi8(bytes, bytes));
-        codes = _mm256_srai_epi32(_mm256_sllv_epi32(codes, _mm256_setr_epi32(24, 28, 24, 28, 24, 28, 24, 28)), 28);
+        codes = _mm256_srai_epi32(
+            _mm256_sllv_epi32(codes, _mm256_setr_epi32(24, 28, 24, 28, 24, 28, 24, 28)), 28);
     }
     const __m256 values = _mm256_cvtepi32_ps(codes);
     const __m256 scale = _mm256_set1_ps(params[0]);
     _mm256_storeu_ps(out,
-                     type == QuantType::Asymmetric ? _mm256_fmadd_ps(values, scale, _mm256_set1_ps(params[1]))
-                                                   : _mm256_mul_ps(values, scale));
+                     type == QuantType::Asymmetric
+                         ? _mm256_fmadd_ps(values, scale, _mm256_set1_ps(params[1]))
+                         : _mm256_mul_ps(values, scale));
 #else
     float codes[kBlock];
     if (num_bits == 8) {
@@ -235,7 +247,11 @@ inline void dequantize_block(const int8_t* in, const float* params, QuantType ty
 
 // acc = fp16(acc + fp16(dequantized block)): quantized_reduction's per-device step. The fp32 sum
 // of two fp16 values is exact, so rounding it once is the fp16 add.
-inline void accumulate_block(const int8_t* in, const float* params, QuantType type, int num_bits, float* acc)
+inline void accumulate_block(const int8_t* in,
+                             const float* params,
+                             QuantType type,
+                             int num_bits,
+                             float* acc)
 {
     float block[kBlock];
     dequantize_block(in, params, type, num_bits, block);
@@ -243,7 +259,8 @@ inline void accumulate_block(const int8_t* in, const float* params, QuantType ty
     const auto to_half_and_back = [](__m256 x) {
         return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
     };
-    const __m256 sum = _mm256_add_ps(_mm256_loadu_ps(acc), to_half_and_back(_mm256_loadu_ps(block)));
+    const __m256 sum =
+        _mm256_add_ps(_mm256_loadu_ps(acc), to_half_and_back(_mm256_loadu_ps(block)));
     _mm256_storeu_ps(acc, to_half_and_back(sum));
 #else
     round_block_to_half(block);
@@ -271,10 +288,12 @@ int64_t next_pow2(int64_t v)
 // (threads, chunks per thread) of swizzled_quant_kernel for a group of `elems` values.
 std::pair<int64_t, int64_t> swizzle_launch(int64_t elems)
 {
-    const int64_t threads = std::min(
-        std::max(next_pow2((elems + 2 * kBlock - 1) / (2 * kBlock)), kSwizzleMinThreads), kSwizzleMaxThreads);
-    const int64_t chunks =
-        threads < kSwizzleMaxThreads ? 2 : 2 * ((elems + threads * 2 * kBlock - 1) / (threads * 2 * kBlock));
+    const int64_t threads =
+        std::min(std::max(next_pow2((elems + 2 * kBlock - 1) / (2 * kBlock)), kSwizzleMinThreads),
+                 kSwizzleMaxThreads);
+    const int64_t chunks = threads < kSwizzleMaxThreads
+                               ? 2
+                               : 2 * ((elems + threads * 2 * kBlock - 1) / (threads * 2 * kBlock));
     return {threads, chunks};
 }
 
@@ -310,7 +329,8 @@ void check_bits(int num_bits)
     TORCH_CHECK(num_bits == 4 || num_bits == 8, "num_bits must be 4 or 8, got ", num_bits);
 }
 
-// Quantizes `elems` fp32 values (holding fp16 values) as one group, writing packed codes and params.
+// Quantizes `elems` fp32 values (holding fp16 values) as one group, writing packed codes and
+// params.
 void quantize_group(const float* values,
                     int64_t elems,
                     bool idle_lanes,
@@ -320,7 +340,8 @@ void quantize_group(const float* values,
                     float* params_out)
 {
     Stats stats;
-    for (int64_t i = 0; i < elems; i += kBlock) stats.fold_block(values + i, type == QuantType::Asymmetric);
+    for (int64_t i = 0; i < elems; i += kBlock)
+        stats.fold_block(values + i, type == QuantType::Asymmetric);
     stats.finish();
     if (idle_lanes) stats.fold_zero();
     const Params params = Params::from_stats(stats, num_bits, type);
@@ -348,7 +369,8 @@ std::vector<at::Tensor> swizzle_quant(at::Tensor& input,
     const int64_t numel = input.numel();
     const int64_t partitions = static_cast<int64_t>(num_nodes) * local_world_size;
     TORCH_CHECK(num_groups > 0 && partitions > 0 && pipeline_size > 0 && numel % num_groups == 0 &&
-                    num_groups % (partitions * pipeline_size) == 0 && (numel / num_groups) % kBlock == 0,
+                    num_groups % (partitions * pipeline_size) == 0 &&
+                    (numel / num_groups) % kBlock == 0,
                 "swizzle_quant: layout outside the kernel contract");
     const int64_t elems = numel / num_groups;
     const int64_t per_stage = num_groups / (partitions * pipeline_size);
@@ -367,12 +389,14 @@ std::vector<at::Tensor> swizzle_quant(at::Tensor& input,
             // The swizzle order (qgz_contract.swizzle_slot), pipeline stages outermost.
             const int64_t partition = group / (num_groups / partitions);
             const int64_t in_partition = group % (num_groups / partitions);
-            const int64_t slot = (partition % local_world_size) * num_nodes + partition / local_world_size;
-            const int64_t out_group =
-                ((in_partition / per_stage) * partitions + slot) * per_stage + in_partition % per_stage;
+            const int64_t slot =
+                (partition % local_world_size) * num_nodes + partition / local_world_size;
+            const int64_t out_group = ((in_partition / per_stage) * partitions + slot) * per_stage +
+                                      in_partition % per_stage;
 
             const uint16_t* group_src = src + group * elems;
-            for (int64_t i = 0; i < elems; i += kBlock) half_block_to_float(group_src + i, values.data() + i);
+            for (int64_t i = 0; i < elems; i += kBlock)
+                half_block_to_float(group_src + i, values.data() + i);
             quantize_group(values.data(),
                            elems,
                            idle_lanes,
@@ -399,8 +423,9 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
     TORCH_CHECK(input_scales.scalar_type() == at::kFloat && input_scales.is_contiguous(),
                 "quantized_reduction: scales must be a contiguous float32 tensor");
     const int64_t numel = input.numel();
-    TORCH_CHECK(local_world_size > 0 && in_groups > 0 && out_groups > 0 && numel % local_world_size == 0 &&
-                    in_groups % local_world_size == 0 && input_scales.numel() == in_groups * param_width(type),
+    TORCH_CHECK(local_world_size > 0 && in_groups > 0 && out_groups > 0 &&
+                    numel % local_world_size == 0 && in_groups % local_world_size == 0 &&
+                    input_scales.numel() == in_groups * param_width(type),
                 "quantized_reduction: layout outside the kernel contract");
     const int64_t bytes_per_tensor = numel / local_world_size;
     const int64_t groups_per_tensor = in_groups / local_world_size;
@@ -436,8 +461,13 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
                     // Device j's parameters start j * groups_per_tensor floats in, whatever their
                     // width: for asymmetric pairs that reads shifted pairs past device 0, as the
                     // CUDA kernel does (upstream defect, reproduced; qgZ is symmetric).
-                    const float* device_params = scales + device * groups_per_tensor + in_group * param_width(type);
-                    accumulate_block(src + device * bytes_per_tensor + offset, device_params, type, num_bits, acc);
+                    const float* device_params =
+                        scales + device * groups_per_tensor + in_group * param_width(type);
+                    accumulate_block(src + device * bytes_per_tensor + offset,
+                                     device_params,
+                                     type,
+                                     num_bits,
+                                     acc);
                 }
             }
             quantize_group(sum.data(),
@@ -453,7 +483,11 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
 }
 
 template <typename T>
-at::Tensor dequantize(at::Tensor& input, at::Tensor& params, int num_groups, int num_bits, QuantType type)
+at::Tensor dequantize(at::Tensor& input,
+                      at::Tensor& params,
+                      int num_groups,
+                      int num_bits,
+                      QuantType type)
 {
     check_bits(num_bits);
     TORCH_CHECK(input.scalar_type() == at::kChar && input.is_contiguous(),
@@ -502,12 +536,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
         .value("Symmetric", QuantType::Symmetric)
         .value("Asymmetric", QuantType::Asymmetric)
         .export_values();
-    m.def("swizzle_quant", &swizzle_quant, "Quantize and swizzle groups for the qgZ all-to-all (CPU)");
-    m.def("quantized_reduction", &quantized_reduction, "Dequantize, sum over devices, requantize (CPU)");
+    m.def("swizzle_quant",
+          &swizzle_quant,
+          "Quantize and swizzle groups for the qgZ all-to-all (CPU)");
+    m.def("quantized_reduction",
+          &quantized_reduction,
+          "Dequantize, sum over devices, requantize (CPU)");
     m.def("dequantize", &dequantize<at::Half>, "Dequantize to float16 (CPU)");
     m.def("dequantize_fp32", &dequantize<float>, "Dequantize to float32 (CPU)");
     // The geometry and parameter width this file assumes, for the test against qgz_contract.py.
-    m.def("_swizzle_launch", &swizzle_launch, "(threads, chunks) of swizzle_quant for a group size");
-    m.def("_reduce_launch", &reduce_launch, "(threads, chunks) of quantized_reduction for out-group bytes");
+    m.def(
+        "_swizzle_launch", &swizzle_launch, "(threads, chunks) of swizzle_quant for a group size");
+    m.def("_reduce_launch",
+          &reduce_launch,
+          "(threads, chunks) of quantized_reduction for out-group bytes");
     m.def("_param_width", &param_width, "fp32 parameters per group for a quantization type");
 }

@@ -126,8 +126,8 @@ def swizzle_quant(x: torch.Tensor, num_groups: int, num_bits: int, quant_type, p
     if x.dtype != torch.float16:
         raise ValueError(f"swizzle_quant: input must be float16 (the kernels read fp16), got {x.dtype}")
     contract.require(
-        contract.swizzle_quant_violations(x.numel(), num_groups, num_bits, pipeline_size, num_nodes,
-                                          local_world_size), "swizzle_quant")
+        contract.swizzle_quant_violations(x.numel(), num_groups, num_bits, pipeline_size, num_nodes, local_world_size),
+        "swizzle_quant")
     elems = x.numel() // num_groups
     asymmetric = _is_asymmetric(quant_type)
     rows = x.reshape(num_groups, elems).float()

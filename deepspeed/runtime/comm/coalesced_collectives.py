@@ -166,12 +166,12 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
         # powers of two, exact in the gradients' dtype (so the product is computed in that dtype)
         factors = torch.nn.functional.pad(torch.pow(0.5, exponent), (0, layout.scale_groups), value=1.0).to(dtype)
         # bf16 is rewritten as fp16 in place (same width, element by element); fp32 needs a buffer
-        fp16 = (slots.view(torch.float16) if slots.element_size() == 2 else torch.empty(
-            slots.shape, dtype=torch.float16, device=device))
+        fp16 = (slots.view(torch.float16)
+                if slots.element_size() == 2 else torch.empty(slots.shape, dtype=torch.float16, device=device))
         torch.mul(layout.grouped(slots), factors.unsqueeze(-1), out=layout.grouped(fp16))
         slots = fp16
-    data, scales = quantizer.swizzle_quant(slots.view(-1), world * layout.slot_groups, QUANT_BITS,
-                                           quantizer.Symmetric, 1, num_nodes, local_world_size)
+    data, scales = quantizer.swizzle_quant(slots.view(-1), world * layout.slot_groups, QUANT_BITS, quantizer.Symmetric,
+                                           1, num_nodes, local_world_size)
     del slots
 
     data = data.view(world, layout.slot_bytes)
@@ -365,8 +365,7 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
     if quantized:
         results = quantized_reduce_scatter([tensors[i] for i in quantized], layout, quantizer,
                                            lambda slots: _all_to_all(slots, local_group, local_world_size),
-                                           lambda slots: _all_to_all(slots, global_group, num_nodes),
-                                           dist.get_rank())
+                                           lambda slots: _all_to_all(slots, global_group, num_nodes), dist.get_rank())
         for i, output in zip(quantized, results):
             outputs[i] = output
         stats.quantized_tensors = len(quantized)

@@ -21,12 +21,12 @@ from deepspeed.runtime.comm.quantized_layout import (QuantizedReduceLayout, quan
                                                      resolve_group_size)
 
 
-def simulate_all_to_all_quant_reduce(inputs: Sequence[Sequence[torch.Tensor]],
-                                     num_nodes: int,
-                                     local_world_size: int,
-                                     quantizer=None,
-                                     group_size: Optional[int] = None
-                                     ) -> Tuple[List[List[torch.Tensor]], QuantizedReduceLayout]:
+def simulate_all_to_all_quant_reduce(
+        inputs: Sequence[Sequence[torch.Tensor]],
+        num_nodes: int,
+        local_world_size: int,
+        quantizer=None,
+        group_size: Optional[int] = None) -> Tuple[List[List[torch.Tensor]], QuantizedReduceLayout]:
     """Args:
         inputs: inputs[r] is rank r's list of tensors (two or more dimensions, the same shapes on
             every rank), for the num_nodes x local_world_size ranks in rank order.

@@ -30,8 +30,10 @@ def test_registry_hands_out_the_cpu_quantizer():
 
 def test_compatible_ops_and_ds_report_list_it():
     # fresh interpreters: __compatible_ops__ is computed once per process
-    out = run([sys.executable, "-c", "import deepspeed; from deepspeed.ops.op_builder import QuantizerBuilder; "
-               "print(QuantizerBuilder.NAME, deepspeed.ops.__compatible_ops__[QuantizerBuilder.NAME])"])
+    out = run([
+        sys.executable, "-c", "import deepspeed; from deepspeed.ops.op_builder import QuantizerBuilder; "
+        "print(QuantizerBuilder.NAME, deepspeed.ops.__compatible_ops__[QuantizerBuilder.NAME])"
+    ])
     assert out.strip().splitlines()[-1] == "quantizer_cpu True"
     report = run(["ds_report"])
     line = next(line for line in report.splitlines() if line.startswith("quantizer_cpu"))

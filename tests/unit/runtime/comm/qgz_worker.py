@@ -122,14 +122,19 @@ def topology_suite(groups, report):
             check_case(f"{name}/{dtype_name}", shapes, dtype_name, seed, groups, report)
     # One group size for the whole call: no group may mix two tensors, so a tensor 10^6 times
     # smaller than its neighbours keeps its own precision.
-    for dtype_name, magnitudes in (("fp32", [1e-3, 1e3, 1.0, 1e-3]), ("bf16", [1e-3, 1e3, 1.0, 1e-3]),
-                                   ("fp16", [1e-2, 1e4, 1.0, 1e-2])):
+    for dtype_name, magnitudes in (("fp32", [1e-3, 1e3, 1.0, 1e-3]), ("bf16", [1e-3, 1e3, 1.0,
+                                                                               1e-3]), ("fp16", [1e-2, 1e4, 1.0,
+                                                                                                 1e-2])):
         seed += 1
         check_case(f"mixed-magnitude/{dtype_name}", [(33, 17), (64, 48), (5, 5, 5), (1, 9)], dtype_name, seed, groups,
                    report, magnitudes)
     for group_size in (8, 1024):
         seed += 1
-        check_case(f"group-size-{group_size}", [(33, 17), (300, 7)], "bf16", seed, groups, report,
+        check_case(f"group-size-{group_size}", [(33, 17), (300, 7)],
+                   "bf16",
+                   seed,
+                   groups,
+                   report,
                    group_size=group_size)
     accounting(groups, report)
     determinism(groups, report)

@@ -27,8 +27,7 @@ def kernel_calls(layout):
     yield contract.swizzle_quant_violations(w * layout.slot_elems, w * groups, QUANT_BITS, 1, n, d)
     yield contract.quantized_reduction_violations(d * n * layout.slot_bytes, d * n * groups, d * n * groups,
                                                   n * groups, QUANT_BITS, contract.SYMMETRIC, d)
-    yield contract.dequantize_violations(n * layout.slot_bytes, n * groups, n * groups, QUANT_BITS,
-                                         contract.SYMMETRIC)
+    yield contract.dequantize_violations(n * layout.slot_bytes, n * groups, n * groups, QUANT_BITS, contract.SYMMETRIC)
 
 
 @settings(max_examples=300, deadline=None)
