@@ -53,9 +53,12 @@ class BuildWithOverlay(build_py):
 
     def run(self):
         super().run()
+        build_lib = Path(self.build_lib)
+        # a previous build's overlay may linger in build_lib: start from none
+        shutil.rmtree(build_lib / "deepspeed_qgz" / "tree", ignore_errors=True)
+        (build_lib / "deepspeed_qgz.pth").unlink(missing_ok=True)
         if TOOLS_ONLY:
             return
-        build_lib = Path(self.build_lib)
         for source, installed in overlay_files():
             target = build_lib / "deepspeed_qgz" / "tree" / installed
             target.parent.mkdir(parents=True, exist_ok=True)

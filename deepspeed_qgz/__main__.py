@@ -41,20 +41,22 @@ def status(_args):
         print(f"  {kind:8s} {source_path(installed)}")
     for path in edited_paths():
         print(f"  {'edits':8s} {path}")
-    if active:
-        import deepspeed.runtime.zero.stage3 as stage3
-        import deepspeed.runtime.comm.coalesced_collectives as collectives
-        calls_overlay = stage3.all_to_all_quant_reduce is collectives.all_to_all_quant_reduce
-        print(f"stage3.all_to_all_quant_reduce from {collectives.__file__ if calls_overlay else 'elsewhere (!)'}")
+    import deepspeed.runtime.zero.stage3 as stage3
+    import deepspeed.runtime.comm.coalesced_collectives as collectives
+    patched = hasattr(collectives, "quantize_partitions")
+    print(f"coalesced_collectives {'patched' if patched else 'UPSTREAM'}: {collectives.__file__}")
+    if stage3.all_to_all_quant_reduce is not collectives.all_to_all_quant_reduce:
+        print("stage3.all_to_all_quant_reduce: NOT the module's function (!)")
     print("cpu quantizer op: ", end="", flush=True)
-    if not active:
-        print("not available (overlay inactive)")
+    from deepspeed.accelerator import get_accelerator
+    builder = get_accelerator().create_op_builder("QuantizerBuilder")
+    if get_accelerator().device_name() != "cpu" or not patched:
+        print(f"not used here ({get_accelerator().device_name()} accelerator, {builder.__class__.__name__})")
         return 0
     try:
-        from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder
         start = time.perf_counter()
-        QuantizerBuilder().load(verbose=False)
-        print(f"builds and loads ({time.perf_counter() - start:.1f} s)")
+        builder.load(verbose=False)
+        print(f"{builder.name} builds and loads ({time.perf_counter() - start:.1f} s)")
     except Exception as exc:  # noqa: BLE001 - status reports, never raises
         print(f"FAILED: {exc!r}")
         return 1

@@ -57,6 +57,8 @@ def deepspeed_version():
 @functools.lru_cache(maxsize=None)
 def overlay_state():
     """(active, reason) for this process."""
+    if not TREE.is_dir():
+        return False, "the overlay's files are not installed (deepspeed-qgz tools only)"
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
         return False, f"switched off by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
     installed = deepspeed_version()

@@ -179,8 +179,8 @@ class Progress:
 
 
 def overlay_active() -> bool:
-    from ._finder import TREE, overlay_state
-    return TREE.is_dir() and overlay_state()[0]
+    from ._finder import overlay_state
+    return overlay_state()[0]
 
 
 def load_upstream_module(relative_path: str, name: str):

@@ -58,8 +58,9 @@ def test_status_cli(cpu_quantizer):
     assert "adds     op_builder/cpu/quantizer.py" in out
     assert "adds     csrc/cpu/quantization/quantizer.cpp" in out
     assert "edits    accelerator/cpu_accelerator.py" in out and "edits    op_builder/cpu/__init__.py" in out
-    assert "stage3.all_to_all_quant_reduce from " in out and "deepspeed_qgz/tree" in out
-    assert "cpu quantizer op: builds and loads" in out
+    assert "coalesced_collectives patched: " in out and "deepspeed_qgz/tree" in out
+    assert "NOT the module's function" not in out
+    assert "cpu quantizer op: quantizer_cpu builds and loads" in out
     off = python(["-m", "deepspeed_qgz", "status"], DS_QGZ_OVERLAY="0")
     assert "overlay       INACTIVE: switched off by DS_QGZ_OVERLAY=0" in off
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The in-tree route, as a maintainer takes the patch: DeepSpeed 0.19.8's source distribution,
+# `python -m deepspeed_qgz diff --sdist` applied with git apply, installed into a fresh virtual
+# environment without the overlay (deepspeed-qgz is installed there for its test harness only),
+# then this project's suite against DeepSpeed's own, patched files. DeepSpeed's git tree has
+# deepspeed/ops/op_builder, deepspeed/ops/csrc and deepspeed/accelerator as symbolic links to the
+# top-level directories; its source distribution ships copies, which --sdist patches too.
+#   bash scripts/check_intree.sh [pytest arguments]
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$ROOT/scripts/setup_env.sh"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+say "in-tree: DeepSpeed 0.19.8's source distribution"
+pip download -q --no-deps --no-binary :all: -d "$WORK" deepspeed==0.19.8
+mkdir "$WORK/patched" "$WORK/upstream"
+tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK/patched"
+tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK/upstream"
+python -m deepspeed_qgz diff --sdist > "$WORK/qgz.patch"
+say "in-tree: git apply ($(grep -c '^+++ ' "$WORK/qgz.patch") files)"
+git -C "$WORK/patched/deepspeed-0.19.8" apply --whitespace=error-all "$WORK/qgz.patch"
+deactivate
+say "in-tree: a fresh environment with torch 2.13.0 (CPU) and the patched DeepSpeed"
+python3 -m venv "$WORK/venv"
+# shellcheck disable=SC1091
+source "$WORK/venv/bin/activate"
+CONSTRAINTS="$ROOT/requirements/constraints-cpu.txt"
+pip install -q -c "$CONSTRAINTS" torch==2.13.0
+pip install -q -c "$CONSTRAINTS" "$WORK/patched/deepspeed-0.19.8"
+pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements-dev.txt" ninja
+DS_QGZ_TOOLS_ONLY=1 pip install -q --no-deps "$ROOT"
+python -m deepspeed_qgz status
+cd "$WORK"
+say "in-tree: the suite against the patched DeepSpeed"
+QGZ_UPSTREAM_DEEPSPEED="$WORK/upstream/deepspeed-0.19.8" \
+    python -m pytest -p no:cacheprovider -q -rA --durations=5 "$ROOT/tests" "$@"
