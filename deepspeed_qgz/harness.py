@@ -206,15 +206,21 @@ def load_upstream_module(relative_path: str, name: str):
 class CollectiveCounter:
     """Counts a rank's collective calls and the bytes it sends to ranks inside and outside its node,
     by wrapping `all_to_all_single` in the given modules and deepspeed.comm's reduce_scatter_fn.
-    Use as a context manager; `reset()` between measurements."""
+    A group counts as inside the node when all its ranks are (rank // local_world_size). Use as a
+    context manager; `reset()` between measurements."""
 
-    def __init__(self, modules, local_group, world_size: int, local_world_size: int):
-        self.modules, self.local_group = list(modules), local_group
+    def __init__(self, modules, world_size: int, local_world_size: int):
+        self.modules = list(modules)
         self.world_size, self.local_world_size = world_size, local_world_size
         self.reset()
 
     def reset(self):
         self.calls, self.intra_bytes, self.inter_bytes = 0, 0, 0
+
+    def _within_node(self, group) -> bool:
+        import torch.distributed as torch_dist
+        ranks = torch_dist.get_process_group_ranks(group) if group is not None else range(self.world_size)
+        return len({r // self.local_world_size for r in ranks}) == 1
 
     def _all_to_all(self, real):
         import deepspeed.comm as dist
@@ -223,7 +229,7 @@ class CollectiveCounter:
             size = dist.get_world_size(group)
             self.calls += 1
             sent = tensor.numel() * tensor.element_size() * (size - 1) // size
-            if group is self.local_group or (group is None and size == self.local_world_size):
+            if self._within_node(group):
                 self.intra_bytes += sent
             else:
                 self.inter_bytes += sent
@@ -268,9 +274,8 @@ def same_bits(a, b) -> bool:
                        b.detach().cpu().contiguous().view(torch.uint8))
 
 
-# Allocations that write nothing: not counted as work.
-_ALLOCATIONS = ("empty.memory_format", "empty_like.default", "empty_strided.default", "new_empty.default",
-                "new_empty_strided.default")
+# Allocations that write nothing: not counted as work (ATen op names, any overload).
+_ALLOCATIONS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
 
 
 def _tensor_bytes(values) -> int:
@@ -311,7 +316,7 @@ class WorkCounter:
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
                 name = func.name()
-                if func.is_view or func.namespace == "c10d" or name.split("::")[-1] in _ALLOCATIONS:
+                if func.is_view or func.namespace == "c10d" or func.overloadpacket.__name__ in _ALLOCATIONS:
                     return out
                 counter.ops += 1
                 touched = _tensor_bytes(list(args) + list(kwargs.values()) + [out])

@@ -141,7 +141,7 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
         quantizer: the quantizer op module.
 
     Returns:
-        [world, slot_bytes] int8 slots; slot d * num_nodes + n holds partition n * D + d.
+        [world, slot_bytes] int8 slots, in the kernels' swizzle order (qgz_contract.swizzle_slot).
     """
     num_nodes, local_world_size, world = layout.num_nodes, layout.local_world_size, layout.world_size
     dtype, device = tensors[0].dtype, tensors[0].device
@@ -187,9 +187,10 @@ def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout, quantize
     """Stage 1: sum the node's copies of this rank's partitions with one quantized_reduction.
 
     quantized_reduction sums the local ranks' dequantized values in fp16, so each (node, group)'s
-    scales are first brought to a sum in [0.5, 1) by a power of two (exact), which no sum of
-    local_world_size dequantized int4 values can overflow; the factor is folded back into the
-    output scales. A group with a NaN scale from any local rank stays NaN.
+    scale magnitudes are first brought to a sum in [0.5, 1) by a power of two (exact), which no sum
+    of local_world_size dequantized int4 values can overflow; the factor is folded back into the
+    output scales. A group with a NaN scale from any local rank stays NaN. (Scales are taken by
+    magnitude throughout: a group may travel negated, with a negative scale.)
 
     Args:
         received: [local_world_size * num_nodes, slot_bytes] int8, the intra-node exchange's result
@@ -203,8 +204,8 @@ def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout, quantize
     num_nodes, local_world_size = layout.num_nodes, layout.local_world_size
     slots = received.view(local_world_size, num_nodes, layout.slot_bytes)
     scales = layout.slot_scales(slots)  # [D, N, groups per partition]
-    finite = (scales < math.inf).all(dim=0)
-    exponent = _exponent(scales.sum(dim=0))
+    finite = (scales.abs() < math.inf).all(dim=0)
+    exponent = _exponent(scales.abs().sum(dim=0))
     normalized = torch.where(finite, scales * torch.pow(0.5, exponent), 1.0)
     out_groups = num_nodes * layout.slot_groups
     data, out_scales = quantizer.quantized_reduction(slots.view(-1), _kernel_params(normalized, layout),
@@ -243,7 +244,7 @@ def average_across_nodes(received: Tensor, layout: QuantizedReduceLayout, quanti
         values = quantizer.dequantize(slots.view(-1), _kernel_params(scales / world, layout),
                                       num_nodes * layout.slot_groups, QUANT_BITS, quantizer.Symmetric)
         return values.view(num_nodes, -1)[:, :layout.padded_partition].sum(dim=0)
-    exponent = _exponent(torch.nan_to_num(scales, nan=0.0, posinf=0.0).amax(dim=0))  # of the finite scales
+    exponent = _exponent(torch.nan_to_num(scales.abs(), nan=0.0, posinf=0.0).amax(dim=0))  # of the finite scales
     values = quantizer.dequantize(slots.view(-1), _kernel_params(scales * torch.pow(0.5, exponent), layout),
                                   num_nodes * layout.slot_groups, QUANT_BITS, quantizer.Symmetric)
     node_sum = layout.data_groups(values.view(num_nodes, -1)).sum(dim=0)  # [groups, group_elems] fp16

@@ -25,9 +25,12 @@ two, and every padding rule lives here, in one pure cached function, ``quantized
   ``resolve_group_size``). Within that bound the layout sends the fewest bytes (``slot_bytes``,
   below): a group costs a 4-byte fp32 scale next to its ``group_elems / 2`` bytes of int4 data, and
   each tensor's last group per partition carries its padding, so the choice weighs scales against
-  padding over the whole call. Ties go to the larger group (fewer kernel blocks).
+  padding over the whole call. On a tie the smaller group wins: the same bytes (and the same kernel
+  work) then carry more scales and less padding.
 * Padding bound: a tensor's partition of ``C`` elements takes ``ceil(C / group_elems)`` groups, so
-  it gains at most ``group_elems - 1 < group_size`` zeros per rank. The upstream rule
+  it gains at most ``group_elems - 1 < group_size`` zeros per rank: under 1% once a partition holds
+  100 groups (12.8K elements at groups of 128), a few percent for small partitions on many ranks
+  (a 78K-element tensor on 5 x 8 ranks: 4.4%), the fewest bytes either way. The upstream rule
   ``max(shape[0], shape[1], world)`` groups per tensor made accuracy depend on the shape and could
   produce groups the kernels mishandle (GPT-2's 50257 x 768 embedding gives 50257 groups).
 
@@ -229,9 +232,9 @@ def quantized_reduce_layout(numels: Tuple[int, ...], num_nodes: int, local_world
     group_size = resolve_group_size(group_size)
     world = num_nodes * local_world_size
     partitions = tuple(math.ceil(n / world) for n in numels)
-    # fewest bytes on the wire; on a tie the larger group
+    # fewest bytes on the wire; on a tie the smaller group
     group_elems = min(range(VECTOR_ELEMS, group_size + 1, VECTOR_ELEMS),
-                      key=lambda elems: (_slot_bytes(partitions, elems), -elems))
+                      key=lambda elems: (_slot_bytes(partitions, elems), elems))
     tensors, offset = [], 0
     for numel, partition in zip(numels, partitions):
         num_groups = -(-partition // group_elems)
