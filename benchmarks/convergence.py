@@ -284,7 +284,7 @@ def worker(args):
         losses, evals = [], []
         started = time.perf_counter()
 
-        def evaluate(step):
+        def evaluate(engine, step):
             engine.eval()
             with torch.no_grad():
                 total = torch.zeros(1)
@@ -298,7 +298,7 @@ def worker(args):
         with CollectiveCounter([cc, upstream], world, PROCS_PER_NODE) as traffic:
             for step in range(args.steps):
                 if step % EVAL_EVERY == 0:
-                    evaluate(step)
+                    evaluate(engine, step)
                 x, y = batch(train, seed, step, rank)
                 loss = engine(x, y)
                 engine.backward(loss)
@@ -309,7 +309,7 @@ def worker(args):
                 if rank == 0:
                     print(f"RUN {index + 1}/{len(plan)} {name} seed {seed} STEP {step + 1} LOSS {losses[-1]:.4f}",
                           flush=True)
-            evaluate(args.steps)
+            evaluate(engine, args.steps)
         totals = vars(cc.qgz_accounting.totals)
         result = {
             "name": name,
@@ -353,8 +353,10 @@ def upstream_rule_simulation(inputs, num_nodes, local_world_size, ops):
                 outputs[r].append(exact[r * chunk:(r + 1) * chunk].to(tensor.dtype))
             continue
         num_groups = max(tensor.shape[0], tensor.shape[1], world)
-        sent = [ops.swizzle_quant(inputs[r][i].half().reshape(-1), num_groups, 4, ops.Symmetric, 1, num_nodes,
-                                  local_world_size) for r in range(world)]
+        sent = [
+            ops.swizzle_quant(inputs[r][i].half().reshape(-1), num_groups, 4, ops.Symmetric, 1, num_nodes,
+                              local_world_size) for r in range(world)
+        ]
         slot_bytes, slot_groups = sent[0][0].numel() // world, num_groups // world
         node_sums = []
         for r in range(world):
@@ -362,9 +364,9 @@ def upstream_rule_simulation(inputs, num_nodes, local_world_size, ops):
             peers = range(node * local_world_size, (node + 1) * local_world_size)
             data = torch.cat([sent[p][0].view(local_world_size, -1)[local_rank] for p in peers])
             scales = torch.cat([sent[p][1].view(local_world_size, -1)[local_rank] for p in peers])
-            node_sums.append(ops.quantized_reduction(data, scales.view(-1, 1), num_groups,
-                                                     num_groups // local_world_size, 4, ops.Symmetric,
-                                                     local_world_size))
+            node_sums.append(
+                ops.quantized_reduction(data, scales.view(-1, 1), num_groups, num_groups // local_world_size, 4,
+                                        ops.Symmetric, local_world_size))
         for r in range(world):
             node, local_rank = divmod(r, local_world_size)
             sources = [node_sums[m * local_world_size + local_rank] for m in range(num_nodes)]
@@ -413,8 +415,8 @@ def fidelity(model_path, topologies, group_sizes):
                 saved = cc.quantize_partitions
                 cc.quantize_partitions = noclamp(saved) if variant == "noclamp" else saved
                 try:
-                    outputs, _ = simulate_all_to_all_quant_reduce([[g[i] for i in quantized] for g in grads], num_nodes,
-                                                                  local_world_size, quantizer, group_size)
+                    outputs, _ = simulate_all_to_all_quant_reduce([[g[i] for i in quantized] for g in grads],
+                                                                  num_nodes, local_world_size, quantizer, group_size)
                 finally:
                     cc.quantize_partitions = saved
                 full = list(exact)
@@ -504,17 +506,22 @@ def report(rows, fid, steps):
             "along the exact average (the clamp's bias):", ""
         ]
         for topology, methods in fid.items():
-            lines += [f"| {topology} | " + " | ".join(LAYER_CLASSES) + " | shrinkage |",
-                      "|---|" + "---:|" * (len(LAYER_CLASSES) + 1)]
+            lines += [
+                f"| {topology} | " + " | ".join(LAYER_CLASSES) + " | shrinkage |",
+                "|---|" + "---:|" * (len(LAYER_CLASSES) + 1)
+            ]
             for method, row in methods.items():
-                lines.append(f"| {method} | " + " | ".join(f"{row[c]:.3f}" for c in LAYER_CLASSES) +
-                             f" | {row['shrinkage']:+.2%} |")
+                lines.append(f"| {method} | " + " | ".join(f"{row[c]:.3f}"
+                                                           for c in LAYER_CLASSES) + f" | {row['shrinkage']:+.2%} |")
             lines.append("")
     return "\n".join(lines)
 
 
 def _moving_average(values, window):
-    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+    return [
+        sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+        for i in range(len(values))
+    ]
 
 
 def chart(results, path):
@@ -594,7 +601,8 @@ def main():
         if match:
             index = int(match.group(1))
             if index not in bars:
-                bars[index] = Progress(args.steps, f"run {index}/{match.group(2)} {match.group(3):<16} seed {match.group(4)}")
+                bars[index] = Progress(args.steps,
+                                       f"run {index}/{match.group(2)} {match.group(3):<16} seed {match.group(4)}")
             bars[index].update(int(match.group(5)), f"loss {float(match.group(6)):.3f}")
 
     command = [str(HERE), "--worker"] + sys.argv[1:] + ["--out", str(work)]

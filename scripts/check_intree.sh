@@ -6,6 +6,8 @@
 # deepspeed/ops/op_builder, deepspeed/ops/csrc and deepspeed/accelerator as symbolic links to the
 # top-level directories; its source distribution ships copies, which --sdist patches too.
 #   bash scripts/check_intree.sh [pytest arguments]
+# With QGZ_DEEPSPEED_TESTS=/path/to/a/DeepSpeed/checkout, DeepSpeed's own tests for this module run
+# against the patched DeepSpeed too (scripts/deepspeed_tests.sh).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
@@ -34,3 +36,7 @@ cd "$WORK"
 say "in-tree: the suite against the patched DeepSpeed"
 QGZ_UPSTREAM_DEEPSPEED="$WORK/upstream/deepspeed-0.19.8" \
     python -m pytest -p no:cacheprovider -q -rA --durations=5 "$ROOT/tests" "$@"
+if [ -n "${QGZ_DEEPSPEED_TESTS:-}" ]; then
+    say "in-tree: DeepSpeed's own tests for coalesced_collectives, from $QGZ_DEEPSPEED_TESTS"
+    bash "$ROOT/scripts/deepspeed_tests.sh" "$QGZ_DEEPSPEED_TESTS"
+fi

@@ -15,12 +15,13 @@ SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "convergence.py"
 
 
 def test_convergence_benchmark_smoke(cpu_quantizer, tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--steps", "6", "--out",
-                             str(tmp_path)],
-                            cwd=tmp_path,
-                            capture_output=True,
-                            text=True,
-                            timeout=900)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--steps", "6", "--out",
+         str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     saved = json.loads((tmp_path / "convergence.json").read_text())
     runs = {r["name"]: r for r in saved["runs"]}
