@@ -329,6 +329,7 @@ def worker(args):
         engine.destroy() if hasattr(engine, "destroy") else None
         del engine, model
     dist.barrier()
+    dist.destroy_process_group()  # a clean shutdown (see scripts/qgz_3x2/train.py)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,7 +608,10 @@ def main():
 
     command = [str(HERE), "--worker"] + sys.argv[1:] + ["--out", str(work)]
     try:
-        run_torchrun_nodes(command, NODES, PROCS_PER_NODE, timeout=3600, on_output=on_output)
+        output = run_torchrun_nodes(command, NODES, PROCS_PER_NODE, timeout=3600, on_output=on_output)
+        missing = [f"{name} seed {seed}" for name, seed in plan if not (work / f"run_{name}_seed{seed}.json").exists()]
+        if missing:
+            raise RuntimeError(f"runs without results: {missing}:\n{output[-6000:]}")
         results = [json.loads((work / f"run_{name}_seed{seed}.json").read_text()) for name, seed in plan]
         fid = None
         if not args.smoke and (work / "model_off_seed0.pt").exists():

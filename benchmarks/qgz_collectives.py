@@ -154,6 +154,7 @@ def work_worker(args):
                 results.append(row)
     write_report({"results": results})
     dist.barrier()
+    dist.destroy_process_group()
 
 
 def memory_worker(args):
@@ -180,6 +181,7 @@ def memory_worker(args):
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     write_report({"extra_bytes": after - before, "elems": tensor.numel(), "error": error})
     dist.barrier()
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------

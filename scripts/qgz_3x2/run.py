@@ -51,6 +51,9 @@ def run(config, steps, label="", timeout=900):
                                     timeout=timeout,
                                     on_output=on_output)
         reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(losses_dir).glob("rank*.json")}
+    if sorted(reports) != list(range(NODES * PROCS_PER_NODE)):
+        raise RuntimeError(
+            f"ranks {sorted(reports)} reported, expected all {NODES * PROCS_PER_NODE}:\n{output[-6000:]}")
     losses = {rank: reports[rank]["losses"] for rank in sorted(reports)}
     return losses, reports[0]["qgz"], output
 

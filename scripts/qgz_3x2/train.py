@@ -73,6 +73,11 @@ def main():
             json.dump({"losses": losses, "qgz": vars(qgz_accounting.totals)}, f)
     if dist.get_rank() == 0:
         print("QGZ_SUMMARY " + json.dumps(vars(qgz_accounting.totals)), flush=True)
+    # A clean shutdown: ranks that exit with their process group still up can abort in its
+    # threads' destructors ("terminate called without an active exception"), and torchrun's agents
+    # then wait out their exit barrier.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == '__main__':

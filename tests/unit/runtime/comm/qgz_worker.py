@@ -312,6 +312,7 @@ def main():
     write_report(report)
     if dist.is_initialized():
         dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
