@@ -172,14 +172,18 @@ class Progress:
     def __init__(self, total: int, label: str):
         self.total, self.label, self.start = total, label, time.monotonic()
         self.done, self.printed = 0, -1
+        self.first = None  # (time, steps) of the first update: the rate leaves start-up out
         self.tty = sys.stdout.isatty()
 
     def update(self, done: int, note: str = "") -> None:
         self.done = min(done, self.total)
-        elapsed = time.monotonic() - self.start
+        now = time.monotonic()
+        self.first = self.first or (now, self.done)
+        rate = f", {(now - self.first[0]) / (self.done - self.first[1]):.2f} s/step" if self.done > self.first[
+            1] else ""
         bar = "#" * (30 * self.done // self.total)
-        line = (f"  {self.label} [{bar:<30}] {self.done}/{self.total} ({elapsed:.0f} s"
-                f"{f', {elapsed / self.done:.2f} s/step' if self.done else ''}){f' {note}' if note else ''}")
+        line = (f"  {self.label} [{bar:<30}] {self.done}/{self.total} ({now - self.start:.0f} s{rate})"
+                f"{f' {note}' if note else ''}")
         tenth = 10 * self.done // self.total
         if self.tty:
             print("\r" + line, end="\n" if self.done == self.total else "", flush=True)
