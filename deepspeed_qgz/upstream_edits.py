@@ -9,7 +9,7 @@ the pull request's hunks. An edit whose text is not found the expected number of
 so a DeepSpeed release that moved the code fails loudly instead of loading half a patch."""
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Tuple
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,3 @@ def apply_edits(path: str, text: str) -> str:
                             f"found {found}; this DeepSpeed release differs from the patched one")
         text = text.replace(edit.old, edit.new)
     return text
-
-
-def edits_by_path() -> Dict[str, Tuple[Edit, ...]]:
-    return {path: tuple(e for e in EDITS if e.path == path) for path in edited_paths()}
