@@ -2,36 +2,38 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Does qgZ train as well as the unquantized reduce-scatter, and at which quantization group size?
+"""Does qgZ train as well as the unquantized reduce-scatter, and with which intra-node precision
+and quantization group size?
 
-A byte-level GPT (plain PyTorch, 4 layers, width 256, context 128) is trained from scratch with
-DeepSpeed ZeRO-3 in bf16 on 3 nodes x 2 processes (three torchrun agents on this machine), on real
+A byte-level GPT (plain PyTorch, 4 layers, width 256, context 64) is trained from scratch with
+DeepSpeed ZeRO-3 in bf16 on 3 nodes x 2 processes (three torchrun agents on one machine), on real
 text available offline: the Python standard library's own source, with every tenth file held out
 for validation. Every run uses the same seeds, initial weights and batches, so qgZ-off and qgZ-on
 runs pair step by step. Runs (one torchrun job runs them one after the other):
 
-  off            zero_quantized_gradients false (the bf16 reduce-scatter), seeds 0 and 1
-  qgz-<G>        this project's qgZ with groups of at most G values (DS_QGZ_GROUP_SIZE), for
-                 G = 1024 (the limit before this change), 256 and 128 (seeds 0 and 1)
-  qgz-128-noclamp  qgZ at 128 with the clamp-free variant of stage 0 (see noclamp)
-  0.19.8         DeepSpeed 0.19.8's all_to_all_quant_reduce as users get it (its fallbacks and
-                 its average over nodes only), with the CPU op reading the bf16 gradients' bits
-                 as fp16, as the CUDA kernels do
+  off              zero_quantized_gradients false (the bf16 reduce-scatter)
+  qgz-4/4          qgZ, int4 inside and across nodes, groups of at most 136 values
+  qgz-8/4          qgZ, int8 inside the node, int4 across, groups of at most 136 values
+  qgz-8/4-256      the same with groups of at most 256 values
+  0.19.8           DeepSpeed 0.19.8's all_to_all_quant_reduce as users get it (its fallbacks and
+                   its average over nodes only), with the CPU op reading the bf16 gradients' bits
+                   as fp16, as the CUDA kernels do
 
 Then, in one process on the trained qgZ-off model's real gradients (one micro-batch per rank), the
-relative RMS error of the averaged gradient per layer class at 3x2 and 4x8, for each group size,
-the no-clamp variant and 0.19.8's grouping rule (with a correct fp16 conversion and average, so
-the grouping alone is compared).
+relative RMS error of the averaged gradient per layer class at 3x2 and 4x8 for each setting, a
+study variant (8/4 requantizing the node sums with the kernels' clamp instead of clamp-free), and
+0.19.8's grouping rule (with a correct fp16 conversion and average, so the grouping alone is
+compared).
 
 Writes convergence.json, convergence.md and convergence.png to --out.
 
-    python benchmarks/convergence.py [--steps 300] [--out DIR] [--smoke]
+    python benchmarks/convergence.py [--steps 300] [--out DIR] [--runs a,b] [--seeds N] [--smoke]
 """
 
 import argparse
+import functools
 import json
 import math
-import os
 import re
 import shutil
 import sys
@@ -48,16 +50,28 @@ LR, WARMUP = 1e-3, 30
 EVAL_EVERY, EVAL_BATCHES = 25, 2
 LAYER_CLASSES = ("embeddings", "attention", "MLP", "output head")
 
-# name -> (zero_quantized_gradients, DS_QGZ_GROUP_SIZE, variant, seeds)
+# name -> (zero_quantized_gradients, group size, intra-node bits, variant, seeds)
 RUNS = {
-    "off": (False, None, None, (0, 1)),
-    "qgz-128": (True, 128, None, (0, 1)),
-    "qgz-1024": (True, 1024, None, (0, )),
-    "qgz-256": (True, 256, None, (0, )),
-    "qgz-128-noclamp": (True, 128, "noclamp", (0, )),
-    "0.19.8": (True, None, "upstream", (0, )),
+    "off": (False, None, None, None, (0, 1, 2, 3)),
+    "qgz-4/4": (True, 136, 4, None, (0, 1, 2, 3)),
+    "qgz-8/4": (True, 136, 8, None, (0, 1, 2, 3)),
+    "qgz-8/4-256": (True, 256, 8, None, (0, )),
+    "0.19.8": (True, None, None, "upstream", (0, )),
 }
-SMOKE_RUNS = {"off": (False, None, None, (0, )), "qgz-128": (True, 128, None, (0, ))}
+# the trained qgZ-off model (seed 0) the fidelity study takes its gradients from
+MODEL = "model_off_seed0.pt"
+FIDELITY_TOPOLOGIES = [(3, 2), (4, 8)]
+SMOKE_RUNS = {"off": (False, None, None, None, (0, )), "qgz-8/4": (True, 136, 8, None, (0, ))}
+# fidelity: name -> (group size, intra-node bits, variant)
+FIDELITY = {
+    "qgz-4/4": (136, 4, None),
+    "qgz-4/4-256": (256, 4, None),
+    "qgz-4/4-1024": (1024, 4, None),
+    "qgz-8/4": (136, 8, None),
+    "qgz-8/4-256": (256, 8, None),
+    "qgz-8/4 with the kernels' clamp": (136, 8, "clamped"),
+    "0.19.8 rule": (None, None, "upstream"),
+}
 
 # ----------------------------------------------------------------------------------------------
 # data and model
@@ -141,40 +155,27 @@ def layer_class(name):
 # ----------------------------------------------------------------------------------------------
 
 
-def noclamp(stage0):
-    """`stage0` (coalesced_collectives.quantize_partitions) with no clamped value: the kernels map
-    a group's positive absmax to code 8 and clamp it to 7 (a group at its absmax comes back as 7/8
-    of itself), but a negative absmax maps to -8 exactly. So each group whose largest magnitude is
-    positive is negated before quantization and its scale negated after (dequantization multiplies
-    by the scale, so the sign comes back). Scaling the input by 7/8 instead would change nothing:
-    the kernels derive the scale from the scaled absmax. Stage 1 still clamps: the sign of a node
-    sum's largest element is not known before quantized_reduction computes it."""
-    import torch
-    from deepspeed.ops.quantizer.qgz_contract import to_slot_order
+def clamped_requantization():
+    """A context in which the 8/4 pipeline requantizes its node sums with the kernels' formula
+    (a group's positive absmax clamped from code 8 to 7) instead of clamp-free: the study variant
+    behind the choice."""
+    import contextlib
+    from deepspeed.runtime.comm import quantized_pipeline
 
-    def noclamp_stage0(tensors, layout, quantizer):
-        world = layout.world_size
-        padded = torch.zeros(world, layout.padded_partition, dtype=torch.float32)
-        for tensor, t in zip(tensors, layout.tensors):
-            flat = torch.zeros(world * t.partition, dtype=torch.float32)
-            flat[:tensor.numel()] = tensor.reshape(-1).float()
-            padded[:, t.offset:t.offset + t.partition] = flat.view(world, t.partition)
-        groups = padded.view(world, layout.groups_per_partition, layout.group_elems)
-        sign = torch.where(groups.amax(-1) > -groups.amin(-1), -1.0, 1.0)
-        slots = stage0([(groups * sign.unsqueeze(-1)).reshape(-1)], _single(layout), quantizer)
-        scales = layout.slot_scales(slots)
-        scales.mul_(to_slot_order(sign, layout.num_nodes, layout.local_world_size).reshape(world, -1))
-        return slots
+    @contextlib.contextmanager
+    def patched():
+        real = quantized_pipeline._quantize_slots
 
-    return noclamp_stage0
+        def with_clamp(*args, **kwargs):
+            return real(*args, **dict(kwargs, clamp_free=False))
 
+        quantized_pipeline._quantize_slots = with_clamp
+        try:
+            yield
+        finally:
+            quantized_pipeline._quantize_slots = real
 
-def _single(layout):
-    """`layout` seen as one tensor whose partitions are the padded partitions (for noclamp)."""
-    from deepspeed.runtime.comm.quantized_layout import QuantizedReduceLayout, TensorLayout
-    one = TensorLayout(layout.world_size * layout.padded_partition, layout.padded_partition,
-                       layout.groups_per_partition, 0)
-    return QuantizedReduceLayout(layout.num_nodes, layout.local_world_size, layout.group_elems, (one, ))
+    return patched()
 
 
 def upstream_as_users_get_it():
@@ -185,7 +186,7 @@ def upstream_as_users_get_it():
     from deepspeed_qgz.harness import load_upstream_module
     upstream = load_upstream_module("runtime/comm/coalesced_collectives.py", "upstream_coalesced_collectives")
     upstream.logger.setLevel("ERROR")  # a fallback warning per tensor per step otherwise
-    ops = get_accelerator().create_op_builder("QuantizerBuilder").load()
+    ops = BeyondContract(get_accelerator().create_op_builder("QuantizerBuilder").load())
 
     class ReadsFp16Bits:
         Symmetric = ops.Symmetric
@@ -200,6 +201,21 @@ def upstream_as_users_get_it():
     return upstream
 
 
+class BeyondContract:
+    """The CPU op with quantized_reduction computed also where 0.19.8's grouping reduces with fewer
+    threads than a warp (undefined on CUDA; the op refuses it): as if the shuffles were defined."""
+
+    def __init__(self, ops):
+        self.ops, self.Symmetric = ops, ops.Symmetric
+
+    def quantized_reduction(self, *args):
+        from deepspeed.ops.quantizer import qgz_reference
+        return qgz_reference.quantized_reduction_beyond_contract(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+
 # ----------------------------------------------------------------------------------------------
 # training (one rank of the torchrun job)
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +226,7 @@ def run_plan(args):
     runs = SMOKE_RUNS if args.smoke else RUNS
     if args.runs:
         runs = {name: RUNS[name] for name in args.runs.split(",")}
-    plan = [(name, seed) for name, (_, _, _, seeds) in runs.items()
+    plan = [(name, seed) for name, (_, _, _, _, seeds) in runs.items()
             for seed in (range(args.seeds) if args.seeds else seeds)]
     return runs, plan
 
@@ -264,17 +280,18 @@ def worker(args):
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     train, val = stdlib_corpus()
-    ours_reduce, ours_stage0 = stage3.all_to_all_quant_reduce, cc.quantize_partitions
+    ours_reduce = stage3.all_to_all_quant_reduce
     upstream = upstream_as_users_get_it()
     out = Path(args.out)
     runs, plan = run_plan(args)
     for index, (name, seed) in enumerate(plan):
-        quantized, group_size, variant, _ = runs[name]
-        os.environ.pop("DS_QGZ_GROUP_SIZE", None)
-        if group_size:
-            os.environ["DS_QGZ_GROUP_SIZE"] = str(group_size)
-        stage3.all_to_all_quant_reduce = upstream.all_to_all_quant_reduce if variant == "upstream" else ours_reduce
-        cc.quantize_partitions = noclamp(ours_stage0) if variant == "noclamp" else ours_stage0
+        quantized, group_size, bits, variant, _ = runs[name]
+        if variant == "upstream":
+            stage3.all_to_all_quant_reduce = upstream.all_to_all_quant_reduce
+        else:
+            stage3.all_to_all_quant_reduce = functools.partial(ours_reduce,
+                                                               group_size=group_size,
+                                                               intra_node_bits=bits)
         torch.manual_seed(seed)
         model = make_model()
         engine, _, _, _ = deepspeed.initialize(model=model,
@@ -318,12 +335,13 @@ def worker(args):
             "evals": evals,
             "seconds": time.perf_counter() - started,
             "inter_bytes_per_step": traffic.inter_bytes / args.steps,
+            "intra_bytes_per_step": traffic.intra_bytes / args.steps,
             "qgz": totals,
         }
         if name == "off" and seed == 0:
             state = engine._zero3_consolidated_16bit_state_dict()
             if rank == 0:
-                torch.save({k: v.float() for k, v in state.items()}, out / "model_off_seed0.pt")
+                torch.save({k: v.float() for k, v in state.items()}, out / MODEL)
         if rank == 0:
             (out / f"run_{name}_seed{seed}.json").write_text(json.dumps(result))
         engine.destroy() if hasattr(engine, "destroy") else None
@@ -378,15 +396,16 @@ def upstream_rule_simulation(inputs, num_nodes, local_world_size, ops):
     return outputs
 
 
-def fidelity(model_path, topologies, group_sizes):
-    """{topology: {method: {layer class: relative RMS error, "shrinkage": ...}}} on real gradients."""
+def fidelity(model_path, topologies):
+    """{topology: {setting: {layer class: relative RMS error, "shrinkage": ...}}} on real gradients."""
+    import contextlib
     import torch
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
-    from deepspeed.runtime.comm import coalesced_collectives as cc
     from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
     ops = get_accelerator().create_op_builder("QuantizerBuilder").load()
     quantizer = ContractCheckedQuantizer(ops)
+    ops = BeyondContract(ops)  # for 0.19.8's rule
     train, _ = stdlib_corpus()
     model = make_model()
     model.load_state_dict(torch.load(model_path))
@@ -402,24 +421,18 @@ def fidelity(model_path, topologies, group_sizes):
             model(x, y).backward()
             grads.append([p.grad.detach().clone() for p in model.parameters()])
         exact = [torch.stack([g[i].double() for g in grads]).mean(0).reshape(-1) for i in range(len(names))]
-        methods = {f"qgz-{g}": (g, None) for g in group_sizes}
-        methods["qgz-128-noclamp"] = (128, "noclamp")
-        methods["0.19.8 rule"] = (None, "upstream")
         topology = f"{num_nodes}x{local_world_size}"
         results[topology] = {}
-        for method, (group_size, variant) in methods.items():
+        for method, (group_size, bits, variant) in FIDELITY.items():
             if variant == "upstream":
                 outputs = upstream_rule_simulation(grads, num_nodes, local_world_size, ops)
                 full = [torch.cat([outputs[r][i].double() for r in range(world)]) for i in range(len(names))]
             else:
                 quantized = [i for i, n in enumerate(names) if layer_class(n)]
-                saved = cc.quantize_partitions
-                cc.quantize_partitions = noclamp(saved) if variant == "noclamp" else saved
-                try:
+                with clamped_requantization() if variant == "clamped" else contextlib.nullcontext():
                     outputs, _ = simulate_all_to_all_quant_reduce([[g[i] for i in quantized] for g in grads],
-                                                                  num_nodes, local_world_size, quantizer, group_size)
-                finally:
-                    cc.quantize_partitions = saved
+                                                                  num_nodes, local_world_size, quantizer, group_size,
+                                                                  bits)
                 full = list(exact)
                 for j, i in enumerate(quantized):
                     full[i] = torch.cat([outputs[r][j].double() for r in range(world)])
@@ -476,6 +489,7 @@ def summarize(results, steps):
             "gap": statistics.mean(gaps) if gaps else 0.0,
             "gap_each": gaps,
             "inter_bytes_per_step": runs[0]["inter_bytes_per_step"],
+            "intra_bytes_per_step": runs[0]["intra_bytes_per_step"],
             "quantized_share": upstream_quantized_share(NODES * PROCS_PER_NODE) if name == "0.19.8" else share,
             "seconds": statistics.mean(r["seconds"] for r in runs),
         })
@@ -483,23 +497,27 @@ def summarize(results, steps):
 
 
 def report(rows, fid, steps):
-    rs_bytes = next(r["inter_bytes_per_step"] for r in rows if r["name"] == "off")
+    off = next((r for r in rows if r["name"] == "off"), None)
     lines = [
         f"{NODES} nodes x {PROCS_PER_NODE} processes, ZeRO-3, bf16, {LAYERS} layers x {WIDTH}, context {CONTEXT}, "
         f"batch {MICRO_BATCH} x {CONTEXT} per rank, {steps} steps, Adam {LR} (warm-up {WARMUP}), Python "
         f"{sys.version.split()[0]} standard library source (every tenth file held out). Gap: mean over steps of "
         "the relative difference of the training loss (mean over ranks) to the qgZ-off run with the same seed; "
-        "inter-node bytes: the gradient reduce-scatter's, per step, as each rank sends them.", "",
+        "bytes: the gradient reduce-scatter's, per step, as each rank sends them to the other ranks of its node "
+        "(intra) and to other nodes (inter).", "",
         "| run | seeds | final validation loss | training-loss gap vs off | inter-node KB / step | vs off | "
-        "gradient elements quantized | s / run |", "|---|---|---:|---:|---:|---:|---:|---:|"
+        "intra-node KB / step | vs off | gradient elements quantized | s / run |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     ]
     for r in rows:
         each = ", ".join(f"{g:+.2%}" for g in r["gap_each"])
         gap = "" if r["name"] == "off" else f"{r['gap']:+.3%}" + (f" ({each})" if len(r["gap_each"]) > 1 else "")
         finals = ", ".join(f"{v:.4f}" for v in r["final_val_each"])
-        lines.append(f"| {r['name']} | {', '.join(map(str, r['seeds']))} | {finals} | {gap} | "
-                     f"{r['inter_bytes_per_step'] / 1e3:.1f} | {r['inter_bytes_per_step'] / rs_bytes:.3f}x | "
-                     f"{r['quantized_share']:.1%} | {r['seconds']:.0f} |")
+        lines.append(
+            f"| {r['name']} | {', '.join(map(str, r['seeds']))} | {finals} | {gap} | "
+            f"{r['inter_bytes_per_step'] / 1e3:.1f} | {r['inter_bytes_per_step'] / off['inter_bytes_per_step']:.3f}x | "
+            f"{r['intra_bytes_per_step'] / 1e3:.1f} | {r['intra_bytes_per_step'] / off['intra_bytes_per_step']:.3f}x | "
+            f"{r['quantized_share']:.1%} | {r['seconds']:.0f} |")
     if fid:
         lines += [
             "", "Relative RMS error of the averaged gradient against the exact average, per layer class, on the "
@@ -548,7 +566,7 @@ def chart(results, path):
     axes[0].set_title("training loss (mean over ranks, 10-step moving average)", fontsize=10)
     axes[1].set_title("validation loss", fontsize=10)
     axes[2].set_title("training loss vs qgZ off, same seed: % (50-step moving average)", fontsize=10)
-    axes[2].axhline(0.1, color="grey", linewidth=0.8, linestyle=":")
+    axes[2].axhline(0.05, color="grey", linewidth=0.8, linestyle=":")
     axes[2].axhline(0.0, color="black", linewidth=0.8)
     for ax in axes[:2]:
         ax.set_xlim(left=25)
@@ -566,12 +584,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default=".")
-    parser.add_argument("--smoke", action="store_true", help="qgZ off and at 128 only, one seed (for the suite)")
+    parser.add_argument("--smoke", action="store_true", help="qgZ off and 8/4 only, one seed (for the suite)")
     parser.add_argument("--runs", help="comma-separated run names (default: all of RUNS)")
     parser.add_argument("--seeds", type=int, help="seeds for each chosen run (default: as RUNS says)")
     parser.add_argument("--report-only",
                         action="store_true",
                         help="rebuild the tables and the chart from OUT/convergence.json")
+    parser.add_argument("--fidelity-only",
+                        action="store_true",
+                        help="only the fidelity table, on the model a full run kept in OUT")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -579,6 +600,10 @@ def main():
     if args.report_only:
         saved = json.loads((Path(args.out) / "convergence.json").read_text())
         return write_outputs(Path(args.out), saved["runs"], saved["fidelity"], args.steps)
+    if args.fidelity_only:
+        fid = fidelity(Path(args.out) / MODEL, FIDELITY_TOPOLOGIES)
+        print(report([], fid, args.steps))
+        return 0
 
     from deepspeed_qgz.harness import Progress, log, run_torchrun_nodes
     out = Path(args.out).resolve()
@@ -614,9 +639,10 @@ def main():
             raise RuntimeError(f"runs without results: {missing}:\n{output[-6000:]}")
         results = [json.loads((work / f"run_{name}_seed{seed}.json").read_text()) for name, seed in plan]
         fid = None
-        if not args.smoke and (work / "model_off_seed0.pt").exists():
+        if not args.smoke and (work / MODEL).exists():
+            shutil.copy(work / MODEL, out / MODEL)  # kept for --fidelity-only
             log("fidelity: real gradients of the trained model, simulated 3x2 and 4x8 clusters")
-            fid = fidelity(work / "model_off_seed0.pt", [(3, 2), (4, 8)], (1024, 256, 128, 64))
+            fid = fidelity(out / MODEL, FIDELITY_TOPOLOGIES)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_outputs(out, results, fid, args.steps)

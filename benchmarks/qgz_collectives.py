@@ -5,10 +5,11 @@
 """Side-by-side cost of one gradient reduce-scatter call on a simulated cluster (gloo, one process
 per rank, default 3 nodes x 2), on the same buckets in one run:
 
-  qgz          this project's all_to_all_quant_reduce (one kernel per stage per call)
+  qgz-4/4      the patched all_to_all_quant_reduce, int4 inside and across nodes
+  qgz-8/4      the same, int8 inside the node, int4 across
   upstream     DeepSpeed 0.19.8's all_to_all_quant_reduce, loaded from the installed file, with
                the CPU quantizer op as its quantizer (per tensor; falls back as 0.19.8 does)
-  rs           this project's reduce_scatter_coalesced (what ZeRO-3 runs with qgZ off)
+  rs           the patched reduce_scatter_coalesced (what ZeRO-3 runs with qgZ off)
   upstream-rs  DeepSpeed 0.19.8's reduce_scatter_coalesced
 
 For each: the slowest rank's median wall time here, the work a GPU would launch (dispatched ATen
@@ -42,7 +43,9 @@ INTRA_NODE_BPS = 300e9
 INTER_NODE_BPS = 25e9
 
 DTYPES = ("fp16", "bf16")
-METHODS = ("qgz", "upstream", "rs", "upstream-rs")
+METHODS = ("qgz-4/4", "qgz-8/4", "upstream", "rs", "upstream-rs")
+QGZ_METHODS = {"qgz-4/4": 4, "qgz-8/4": 8}
+MEMORY_METHODS = ("qgz-4/4", "qgz-8/4", "upstream")
 # A large single tensor for the memory measurement: 4096 x 6144 = 25.2M elements, a multiple of
 # 2 x world at 3x2, so 0.19.8 quantizes it too.
 MEMORY_SHAPE = (4096, 6144)
@@ -90,7 +93,8 @@ def setup_rank():
 
 def methods(ours, upstream, groups):
     return {
-        "qgz": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups)),
+        "qgz-4/4": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=4)),
+        "qgz-8/4": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=8)),
         "upstream": (upstream, lambda ts: upstream.all_to_all_quant_reduce(ts, groups)),
         "rs": (ours, lambda ts: ours.reduce_scatter_coalesced(ts)),
         "upstream-rs": (upstream, lambda ts: upstream.reduce_scatter_coalesced(ts)),
@@ -135,7 +139,7 @@ def work_worker(args):
                                collectives=traffic.calls,
                                intra_bytes=traffic.intra_bytes,
                                inter_bytes=traffic.inter_bytes)
-                    if method == "qgz":
+                    if method in QGZ_METHODS:
                         row["padding_elems"] = ours.qgz_accounting.last_call.padding_elems
                     times = []
                     for _ in range(args.repeats):
@@ -206,8 +210,8 @@ def report(results, memory, args):
         f"{INTER_NODE_BPS / 1e9:.0f} GB/s between nodes. Bytes per element: of the tensors each op or kernel "
         "reads or writes, per gradient element (collectives' own traffic excluded).", "",
         "| bucket | dtype | method | ops | per added tensor | kernels | collectives | bytes / elem | "
-        "inter-node KB | inter vs rs | padding | modeled GPU us | modeled network us | wall ms here |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "intra-node KB | intra vs rs | inter-node KB | inter vs rs | padding | modeled GPU us | modeled network us | "
+        "wall ms |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     ]
     singles = {(r["dtype"], r["method"]): r for r in results if r["bucket"] == "1 x (96, 64)" and "error" not in r}
     for bucket in buckets():
@@ -218,7 +222,7 @@ def report(results, memory, args):
                 if "error" in r:
                     why = ("its kernels take fp16 (on CUDA they read bf16 bits as fp16; the CPU op refuses)"
                            if method == "upstream" and dtype_name != "fp16" else r["error"])
-                    lines.append(f"| {bucket} | {dtype_name} | {method} | n/a: {why} ||||||||||")
+                    lines.append(f"| {bucket} | {dtype_name} | {method} | n/a: {why} ||||||||||||")
                     continue
                 single = singles.get((dtype_name, method))
                 per_tensor = ""
@@ -228,17 +232,18 @@ def report(results, memory, args):
                 padding = f"{r['padding_elems'] / r['elems']:.2%}" if "padding_elems" in r else ""
                 lines.append(
                     f"| {bucket} | {dtype_name} | {method} | {r['ops']} | {per_tensor} | {r['kernel_calls']} | "
-                    f"{r['collectives']} | {r['bytes'] / r['elems']:.1f} | {r['inter_bytes'] / 1e3:.1f} | "
+                    f"{r['collectives']} | {r['bytes'] / r['elems']:.1f} | {r['intra_bytes'] / 1e3:.1f} | "
+                    f"{r['intra_bytes'] / rs['intra_bytes']:.3f}x | {r['inter_bytes'] / 1e3:.1f} | "
                     f"{r['inter_bytes'] / rs['inter_bytes']:.3f}x | {padding} | {gpu_s(r) * 1e6:.0f} | "
                     f"{network_s(r) * 1e6:.0f} | {r['median_s'] * 1e3:.2f} |")
     lines += [
         "", f"Extra peak resident memory of one call on a {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]} tensor "
         f"({MEMORY_SHAPE[0] * MEMORY_SHAPE[1] / 1e6:.1f}M elements), bytes per gradient element, the largest over "
-        "the ranks:", "", "| dtype | qgz | upstream |", "|---|---:|---:|"
+        "the ranks:", "", "| dtype | " + " | ".join(MEMORY_METHODS) + " |", "|---|" + "---:|" * len(MEMORY_METHODS)
     ]
     for dtype_name in DTYPES:
         cells = []
-        for method in ("qgz", "upstream"):
+        for method in MEMORY_METHODS:
             m = memory[(dtype_name, method)]
             cells.append(f"n/a: {m['error']}" if m["error"] else f"{m['extra_bytes'] / m['elems']:.1f}")
         lines.append(f"| {dtype_name} | " + " | ".join(cells) + " |")
@@ -252,19 +257,19 @@ def chart(results, path):
     names = [b for b in buckets()]
     by_key = {(r["bucket"], r["method"]): r for r in results if r["dtype"] == "fp16"}
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    width = 0.2
+    width = 0.16
     for ax, metric, label in ((axes[0], gpu_s, "modeled GPU work, us (launches + HBM traffic)"),
                               (axes[1], network_s, "modeled network, us (collectives + link bytes)")):
         for i, method in enumerate(METHODS):
             values = [metric(by_key[(b, method)]) * 1e6 if "error" not in by_key[(b, method)] else 0 for b in names]
-            ax.bar([x + (i - 1.5) * width for x in range(len(names))], values, width, label=method)
+            ax.bar([x + (i - 2) * width for x in range(len(names))], values, width, label=method)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, fontsize=7)
         ax.set_title(label, fontsize=10)
         ax.set_yscale("log")
         ax.legend(fontsize=8)
-    fig.suptitle("one fp16 gradient reduce-scatter call per bucket, 3 nodes x 2: qgZ (this project) vs DeepSpeed "
-                 "0.19.8 vs the unquantized reduce-scatter")
+    fig.suptitle("one fp16 gradient reduce-scatter call per bucket, 3 nodes x 2: qgZ 4/4 and 8/4 (patched) vs "
+                 "DeepSpeed 0.19.8 vs the unquantized reduce-scatter")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -296,7 +301,7 @@ def main():
     results = run_world(common + ["--worker", "work"], args.nodes, args.devices, timeout=1800)[0]["results"]
     memory = {}
     for dtype_name in DTYPES:
-        for method in ("qgz", "upstream"):
+        for method in MEMORY_METHODS:
             if method == "upstream" and dtype_name != "fp16":
                 memory[(dtype_name, method)] = {"error": "0.19.8 hands bf16 bits to fp16 kernels", "extra_bytes": 0}
                 continue

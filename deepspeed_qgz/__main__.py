@@ -43,7 +43,7 @@ def status(_args):
         print(f"  {'edits':8s} {path}")
     import deepspeed.runtime.zero.stage3 as stage3
     import deepspeed.runtime.comm.coalesced_collectives as collectives
-    patched = hasattr(collectives, "quantize_partitions")
+    patched = hasattr(collectives, "qgz_accounting")
     print(f"coalesced_collectives {'patched' if patched else 'UPSTREAM'}: {collectives.__file__}")
     if stage3.all_to_all_quant_reduce is not collectives.all_to_all_quant_reduce:
         print("stage3.all_to_all_quant_reduce: NOT the module's function (!)")

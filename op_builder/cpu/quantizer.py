@@ -12,8 +12,9 @@ from .builder import CPUOpBuilder
 class QuantizerBuilder(CPUOpBuilder):
     """The qgZ quantizer ops (swizzle_quant, quantized_reduction, dequantize, dequantize_fp32) for
     the CPU accelerator, numerically identical to the CUDA QuantizerBuilder's (which
-    deepspeed/ops/quantizer/qgz_reference.py states in PyTorch). Like the CUDA ops they do not check
-    the layout; deepspeed/ops/quantizer/qgz_contract.py's ContractCheckedQuantizer does."""
+    deepspeed/ops/quantizer/qgz_reference.py states in PyTorch). qgZ calls them through
+    deepspeed/ops/quantizer/qgz_contract.py's ContractCheckedQuantizer, which checks every call
+    against the kernels' contract; the op itself checks its own bounds and the warp rule."""
     BUILD_VAR = "DS_BUILD_QUANTIZER"
     # Distinct from the CUDA op's name: OpBuilder caches loaded ops by name across builder classes.
     NAME = "quantizer_cpu"

@@ -9,9 +9,11 @@ dequantize_fp32, with the Python signatures, output shapes, dtypes and numerics 
 (csrc/quantization/pt_binding.cpp). deepspeed/ops/quantizer/qgz_reference.py states those numerics
 in PyTorch and is the specification this file is tested against, bit for bit.
 
-Layout preconditions are checked in Python before these functions run
-(deepspeed/ops/quantizer/qgz_contract.py, applied by the QuantizerBuilder's loaded module); the
-TORCH_CHECKs here only keep the indexing in bounds.
+qgZ calls these functions through ContractCheckedQuantizer
+(deepspeed/ops/quantizer/qgz_contract.py), which checks every call against the whole kernel contract
+first. The TORCH_CHECKs here keep this file's own memory accesses in bounds and, as the contract
+does, refuse quantized_reduction launches of fewer threads than a warp (undefined on CUDA, so never
+computed here either).
 
 Work is split over quantization groups with at::parallel_for. A group is processed in blocks of 8
 values, the width of the kernels' 16-byte vectors; with F16C/AVX2 a block is one vector. Defining
@@ -274,6 +276,7 @@ inline void accumulate_block(const int8_t* in,
 // same geometry; tests/unit/ops/quantizer checks the two agree for every group size it allows.
 // ---------------------------------------------------------------------------------------------
 
+constexpr int64_t kWarpSize = 32;
 constexpr int64_t kSwizzleMinThreads = 32;
 constexpr int64_t kSwizzleMaxThreads = 512;
 constexpr int64_t kReduceMaxThreads = 1024;
@@ -364,8 +367,12 @@ std::vector<at::Tensor> swizzle_quant(at::Tensor& input,
                                       int local_world_size)
 {
     check_bits(num_bits);
-    TORCH_CHECK(input.scalar_type() == at::kHalf && input.is_contiguous(),
-                "swizzle_quant: input must be a contiguous float16 tensor");
+    TORCH_CHECK(
+        input.device().is_cpu() && input.scalar_type() == at::kHalf && input.is_contiguous(),
+        "swizzle_quant: input must be a contiguous float16 CPU tensor, got ",
+        input.scalar_type(),
+        " on ",
+        input.device());
     const int64_t numel = input.numel();
     const int64_t partitions = static_cast<int64_t>(num_nodes) * local_world_size;
     TORCH_CHECK(num_groups > 0 && partitions > 0 && pipeline_size > 0 && numel % num_groups == 0 &&
@@ -418,10 +425,18 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
                                             int local_world_size)
 {
     check_bits(num_bits);
-    TORCH_CHECK(input.scalar_type() == at::kChar && input.is_contiguous(),
-                "quantized_reduction: input must be a contiguous int8 tensor");
-    TORCH_CHECK(input_scales.scalar_type() == at::kFloat && input_scales.is_contiguous(),
-                "quantized_reduction: scales must be a contiguous float32 tensor");
+    TORCH_CHECK(
+        input.device().is_cpu() && input.scalar_type() == at::kChar && input.is_contiguous(),
+        "quantized_reduction: input must be a contiguous int8 CPU tensor, got ",
+        input.scalar_type(),
+        " on ",
+        input.device());
+    TORCH_CHECK(input_scales.device().is_cpu() && input_scales.scalar_type() == at::kFloat &&
+                    input_scales.is_contiguous(),
+                "quantized_reduction: scales must be a contiguous float32 CPU tensor, got ",
+                input_scales.scalar_type(),
+                " on ",
+                input_scales.device());
     const int64_t numel = input.numel();
     TORCH_CHECK(local_world_size > 0 && in_groups > 0 && out_groups > 0 &&
                     numel % local_world_size == 0 && in_groups % local_world_size == 0 &&
@@ -438,6 +453,15 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
     const int64_t bytes_per_out_group = bytes_per_tensor / out_groups;
     const int64_t values_per_out_group = bytes_per_out_group * 8 / num_bits;
     const int64_t bytes_per_block = kBlock * num_bits / 8;
+    const int64_t threads = reduce_launch(bytes_per_out_group, num_bits).first;
+    TORCH_CHECK(threads >= kWarpSize,
+                "quantized_reduction: out-groups of ",
+                values_per_out_group,
+                " elements launch ",
+                threads,
+                " threads, fewer than a warp (",
+                kWarpSize,
+                "): the CUDA kernel's warp shuffles would read lanes that do not exist");
     const bool idle_lanes = reduce_has_idle_lanes(bytes_per_out_group, num_bits);
 
     auto sizes = input.sizes().vec();
@@ -490,10 +514,18 @@ at::Tensor dequantize(at::Tensor& input,
                       QuantType type)
 {
     check_bits(num_bits);
-    TORCH_CHECK(input.scalar_type() == at::kChar && input.is_contiguous(),
-                "dequantize: input must be a contiguous int8 tensor");
-    TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous(),
-                "dequantize: params must be a contiguous float32 tensor");
+    TORCH_CHECK(
+        input.device().is_cpu() && input.scalar_type() == at::kChar && input.is_contiguous(),
+        "dequantize: input must be a contiguous int8 CPU tensor, got ",
+        input.scalar_type(),
+        " on ",
+        input.device());
+    TORCH_CHECK(
+        params.device().is_cpu() && params.scalar_type() == at::kFloat && params.is_contiguous(),
+        "dequantize: params must be a contiguous float32 CPU tensor, got ",
+        params.scalar_type(),
+        " on ",
+        params.device());
     const int64_t total = input.numel() * 8 / num_bits;
     TORCH_CHECK(num_groups > 0 && total % num_groups == 0 && (total / num_groups) % kBlock == 0 &&
                     params.numel() == num_groups * param_width(type),

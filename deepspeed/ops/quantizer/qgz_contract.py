@@ -5,15 +5,20 @@
 """
 The layout contract of the qgZ quantizer kernels: swizzle_quant, quantized_reduction, dequantize.
 
-The CUDA kernels (csrc/quantization/swizzled_quantize.cu, quant_reduce.cu, dequantize.cu) check
-none of their size assumptions. A layout outside them does not fail: groups that do not divide
-evenly are dropped, 16-byte vectors that straddle a group read and overwrite the neighbour, and a
-group larger than the unroll tables launches no kernel at all. This module is the one place those
-assumptions, the kernels' launch geometry and their swizzle order are written down. The CPU op
-refuses any call that breaks them (its launch geometry is tested against this module for every
-group size the contract allows), the pure-PyTorch reference does the same, and the qgZ layout
-(deepspeed/runtime/comm/quantized_layout.py) satisfies them by construction, which its property
-test checks against the functions below.
+The CUDA kernels (csrc/quantization/swizzled_quantize.cu, quant_reduce.cu, dequantize.cu) and
+their bindings (csrc/quantization/pt_binding.cpp) check none of their assumptions. A call outside
+them does not fail: groups that do not divide evenly are dropped, 16-byte vectors that straddle a
+group read and overwrite the neighbour, a group larger than the unroll tables launches no kernel,
+a block of fewer threads than a warp reduces its group statistics over lanes that do not exist,
+index arithmetic in ``int`` wraps, and the bindings reinterpret whatever memory they are handed
+(``data_ptr`` cast to the type they expect, whatever the tensor's dtype or device).
+
+This module is the one place those assumptions, the kernels' launch geometry and their swizzle
+order are written down. ``ContractCheckedQuantizer`` refuses any call that breaks them before the
+op runs; the CPU op refuses the same calls itself (its launch geometry is tested against this
+module for every group size the contract allows) and so does the pure-PyTorch reference. The qgZ
+layout (deepspeed/runtime/comm/quantized_layout.py) satisfies them by construction, which its
+property test checks against the functions below.
 
 The CUDA binding names the topology arguments ``nodes`` and ``devices_per_node``; here, as in the
 rest of qgZ, they are ``num_nodes`` and ``local_world_size``.
@@ -36,8 +41,26 @@ SWIZZLE_MAX_GROUP_ELEMS = SWIZZLE_MAX_THREADS * SWIZZLE_MAX_UNROLL * VECTOR_ELEM
 
 # dequant_reduce: one block of at most 1024 threads per output group, each thread loading
 # `load_bytes` (4 bytes = 8 int4 values, or 8 bytes = 8 int8 values) per chunk, at most 12 chunks.
+# The launcher sets no minimum: an output group of 8 values gets a single thread.
 REDUCE_MAX_THREADS = 1024
 REDUCE_MAX_UNROLL = 12
+
+# The group statistics of swizzle_quant and dequant_reduce are reduced with warp shuffles over all
+# WARP_SIZE lanes (GroupStats::get_params -> reduce::partitioned_block -> _block<float, 32>,
+# csrc/includes/reduction_utils.h), in the warp stage and again in the block stage. In a block of
+# fewer threads the upper lanes do not exist, and CUDA leaves a shuffle that reads an inactive
+# lane undefined: a stale value could become the group's absmax. So every launch of a kernel that
+# reduces across threads must have at least WARP_SIZE threads. swizzle_quant's launcher never goes
+# below SWIZZLE_MIN_THREADS (= WARP_SIZE); quantized_reduction's output groups must be large
+# enough (reduce_min_out_group_elems). dequantize reduces nothing across threads.
+WARP_SIZE = 32
+
+# dequantize launches blocks of 512 threads x 8 chunks of one 16-byte store each, so a block
+# covers 32768 fp16 or 16384 fp32 outputs, and the last block computes int indices up to the next
+# multiple of that, past the tensor's end (csrc/includes/dequantization_utils.h).
+DEQUANT_THREADS = 512
+DEQUANT_UNROLL = 8
+VECTOR_BYTES = 16
 
 SUPPORTED_BITS = (4, 8)
 INT32_MAX = 2**31 - 1
@@ -84,6 +107,21 @@ def reduce_load_bytes(num_bits: int) -> int:
 
 def reduce_max_group_elems(num_bits: int) -> int:
     return REDUCE_MAX_THREADS * REDUCE_MAX_UNROLL * reduce_load_bytes(num_bits) * values_per_byte(num_bits)
+
+
+def reduce_min_out_group_elems(num_bits: int) -> int:
+    """The smallest output group (in values, a multiple of the vector width) for which
+    quantized_reduction launches a whole warp: 136 values at 4 and at 8 bits."""
+    per_byte = values_per_byte(num_bits)
+    elems = VECTOR_ELEMS
+    while reduce_launch(elems // per_byte, num_bits)[0] < WARP_SIZE:
+        elems += VECTOR_ELEMS
+    return elems
+
+
+def dequantize_block_elems(out_element_size: int) -> int:
+    """Outputs one dequantize block covers (32768 fp16 or 16384 fp32 values)."""
+    return DEQUANT_THREADS * DEQUANT_UNROLL * (VECTOR_BYTES // out_element_size)
 
 
 def swizzle_launch(elems_per_group: int):
@@ -200,19 +238,32 @@ def quantized_reduction_violations(numel: int, scales_numel: int, in_groups: int
         elif reduce_launch(bytes_per_out_group, num_bits)[1] is None:
             problems.append(f"elements per out-group {bytes_per_out_group * values_per_byte(num_bits)} exceed "
                             f"quantized_reduction's largest launch ({reduce_max_group_elems(num_bits)})")
+        elif reduce_launch(bytes_per_out_group, num_bits)[0] < WARP_SIZE:
+            problems.append(f"elements per out-group {bytes_per_out_group * values_per_byte(num_bits)} launch "
+                            f"{reduce_launch(bytes_per_out_group, num_bits)[0]} threads, fewer than a warp "
+                            f"({WARP_SIZE}), whose shuffles would read lanes that do not exist; out-groups need at "
+                            f"least {reduce_min_out_group_elems(num_bits)} elements")
     return problems
 
 
-def dequantize_violations(numel: int, params_numel: int, num_groups: int, num_bits: int, quant_type) -> List[str]:
-    """`numel` is the int8 input's numel (bytes)."""
+def dequantize_violations(numel: int,
+                          params_numel: int,
+                          num_groups: int,
+                          num_bits: int,
+                          quant_type,
+                          out_element_size: int = 2) -> List[str]:
+    """`numel` is the int8 input's numel (bytes); `out_element_size` 2 for dequantize (fp16), 4 for
+    dequantize_fp32."""
     problems = _common(num_bits)
     if problems:
         return problems
     if num_groups < 1:
         return [f"num_groups must be >= 1, got {num_groups}"]
     total = numel * values_per_byte(num_bits)
-    if total > INT32_MAX:
-        problems.append(f"output elements {total} exceed the kernels' int32 indexing ({INT32_MAX})")
+    block = dequantize_block_elems(out_element_size)
+    if -(-total // block) * block > INT32_MAX:
+        problems.append(f"output elements {total} exceed the kernels' int32 indexing: their count and dequantize's "
+                        f"last block, which indexes up to the next multiple of {block}, must stay within {INT32_MAX}")
     if total % num_groups:
         problems.append(f"output elements {total} are not divisible by num_groups {num_groups}: the last group "
                         f"would read parameters past the end")
@@ -225,14 +276,45 @@ def dequantize_violations(numel: int, params_numel: int, num_groups: int, num_bi
     return problems
 
 
+def call_violations(kernel: str, sizes: tuple) -> List[str]:
+    """The violations of a call of `kernel` ("swizzle_quant", "quantized_reduction", "dequantize")
+    described by the size arguments its *_violations function takes, in order."""
+    return {
+        "swizzle_quant": swizzle_quant_violations,
+        "quantized_reduction": quantized_reduction_violations,
+        "dequantize": dequantize_violations,
+    }[kernel](*sizes)
+
+
 def require(problems: List[str], op: str) -> None:
     if problems:
-        raise ValueError(f"{op}: layout outside the quantizer kernels' contract: " + "; ".join(problems))
+        raise ValueError(f"{op}: call outside the quantizer kernels' contract: " + "; ".join(problems))
+
+
+def tensor_violations(**tensors) -> List[str]:
+    """What the CUDA bindings would misread: each named tensor must have its expected dtype
+    (``(tensor, "torch.int8")`` pairs) and all must share one device; on CUDA that device must
+    be the current one, where the bindings allocate their outputs."""
+    problems = []
+    for name, (tensor, dtype) in tensors.items():
+        if str(tensor.dtype) != dtype:
+            problems.append(f"{name} must be {dtype} (the kernel reads it as such), got {tensor.dtype}")
+    devices = {str(tensor.device) for tensor, _ in tensors.values()}
+    if len(devices) > 1:
+        problems.append(f"{', '.join(tensors)} must be on one device, got {sorted(devices)}")
+    else:
+        device = next(iter(tensors.values()))[0].device
+        if device.type == "cuda":
+            import torch
+            if device.index is not None and device.index != torch.cuda.current_device():
+                problems.append(f"the tensors are on {device} but the current device is cuda:"
+                                f"{torch.cuda.current_device()}, where the kernel allocates its outputs")
+    return problems
 
 
 class ContractCheckedQuantizer:
     """A loaded quantizer op module (the CUDA or the CPU build) whose calls are checked against
-    this contract first, so a layout the kernels would mishandle is refused with the condition and
+    this contract first, so a call the kernels would mishandle is refused with the condition and
     the values instead of silently giving wrong results."""
 
     def __init__(self, ops):
@@ -242,26 +324,30 @@ class ContractCheckedQuantizer:
         self.Asymmetric = ops.Asymmetric
 
     def swizzle_quant(self, x, num_groups, num_bits, quant_type, pipeline_size, num_nodes, local_world_size):
-        problems = swizzle_quant_violations(x.numel(), num_groups, num_bits, pipeline_size, num_nodes,
-                                            local_world_size)
-        if str(x.dtype) != "torch.float16":
-            problems.insert(0, f"input must be float16 (the kernels read fp16), got {x.dtype}")
-        require(problems, "swizzle_quant")
+        require(
+            tensor_violations(input=(x, "torch.float16")) +
+            swizzle_quant_violations(x.numel(), num_groups, num_bits, pipeline_size, num_nodes, local_world_size),
+            "swizzle_quant")
         return self.ops.swizzle_quant(x.contiguous(), num_groups, num_bits, quant_type, pipeline_size, num_nodes,
                                       local_world_size)
 
     def quantized_reduction(self, data, scales, in_groups, out_groups, num_bits, quant_type, local_world_size):
         require(
+            tensor_violations(data=(data, "torch.int8"), scales=(scales, "torch.float32")) +
             quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits, quant_type,
                                            local_world_size), "quantized_reduction")
         return self.ops.quantized_reduction(data.contiguous(), scales.contiguous(), in_groups, out_groups, num_bits,
                                             quant_type, local_world_size)
 
+    def _dequantize(self, name, out_element_size, data, params, num_groups, num_bits, quant_type):
+        require(
+            tensor_violations(data=(data, "torch.int8"), params=(params, "torch.float32")) +
+            dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type, out_element_size),
+            name)
+        return getattr(self.ops, name)(data.contiguous(), params.contiguous(), num_groups, num_bits, quant_type)
+
     def dequantize(self, data, params, num_groups, num_bits, quant_type):
-        require(dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type), "dequantize")
-        return self.ops.dequantize(data.contiguous(), params.contiguous(), num_groups, num_bits, quant_type)
+        return self._dequantize("dequantize", 2, data, params, num_groups, num_bits, quant_type)
 
     def dequantize_fp32(self, data, params, num_groups, num_bits, quant_type):
-        require(dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type),
-                "dequantize_fp32")
-        return self.ops.dequantize_fp32(data.contiguous(), params.contiguous(), num_groups, num_bits, quant_type)
+        return self._dequantize("dequantize_fp32", 4, data, params, num_groups, num_bits, quant_type)

@@ -48,8 +48,7 @@ def _is_asymmetric(quant_type) -> bool:
 
 def _fold_max(values: torch.Tensor, padded: bool) -> torch.Tensor:
     """Row-wise max that skips NaN, starting from -inf, with a zero lane if `padded`."""
-    neg_inf = torch.tensor(float('-inf'), dtype=values.dtype, device=values.device)
-    out = torch.where(torch.isnan(values), neg_inf, values).amax(dim=-1)
+    out = torch.where(torch.isnan(values), float('-inf'), values).amax(dim=-1)
     return out.clamp(min=0) if padded else out
 
 
@@ -123,9 +122,8 @@ def swizzle_quant(x: torch.Tensor, num_groups: int, num_bits: int, quant_type, p
     """Quantize `num_groups` equal groups of fp16 `x` and reorder them into the swizzle order
     (qgz_contract.swizzle_slot), pipeline stages outermost. Returns (int8 data, fp32 params
     [num_groups, 1|2])."""
-    if x.dtype != torch.float16:
-        raise ValueError(f"swizzle_quant: input must be float16 (the kernels read fp16), got {x.dtype}")
     contract.require(
+        contract.tensor_violations(input=(x, "torch.float16")) +
         contract.swizzle_quant_violations(x.numel(), num_groups, num_bits, pipeline_size, num_nodes, local_world_size),
         "swizzle_quant")
     elems = x.numel() // num_groups
@@ -150,10 +148,21 @@ def quantized_reduction(data: torch.Tensor, scales: torch.Tensor, in_groups: int
                         quant_type, local_world_size: int):
     """Dequantize `local_world_size` equal chunks of `data`, sum them in fp16 in chunk order and
     requantize the sum in `out_groups` groups. Returns (int8 data, fp32 params [out_groups, 1|2])."""
-    asymmetric = _is_asymmetric(quant_type)
     contract.require(
+        contract.tensor_violations(data=(data, "torch.int8"), scales=(scales, "torch.float32")) +
         contract.quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
                                                 quant_type, local_world_size), "quantized_reduction")
+    return quantized_reduction_beyond_contract(data, scales, in_groups, out_groups, num_bits, quant_type,
+                                               local_world_size)
+
+
+def quantized_reduction_beyond_contract(data: torch.Tensor, scales: torch.Tensor, in_groups: int, out_groups: int,
+                                        num_bits: int, quant_type, local_world_size: int):
+    """quantized_reduction without the contract checks, for sizes the contract refuses only because
+    the kernel would reduce with fewer threads than a warp: what the kernel computes when its
+    shuffles happen to read nothing stale. For studying code that launches such sizes (DeepSpeed
+    0.19.8's grouping rule), never for qgZ itself."""
+    asymmetric = _is_asymmetric(quant_type)
     per_byte = contract.values_per_byte(num_bits)
     bytes_per_tensor = data.numel() // local_world_size
     values_per_tensor = bytes_per_tensor * per_byte
@@ -184,11 +193,13 @@ def quantized_reduction(data: torch.Tensor, scales: torch.Tensor, in_groups: int
     return packed.reshape(out_sizes), _stored_params(scale, offset).contiguous()
 
 
-def _dequantize(data: torch.Tensor, params: torch.Tensor, num_groups: int, num_bits: int, quant_type,
+def _dequantize(name: str, data: torch.Tensor, params: torch.Tensor, num_groups: int, num_bits: int, quant_type,
                 dtype: torch.dtype) -> torch.Tensor:
     asymmetric = _is_asymmetric(quant_type)
-    contract.require(contract.dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type),
-                     "dequantize")
+    contract.require(
+        contract.tensor_violations(data=(data, "torch.int8"), params=(params, "torch.float32")) +
+        contract.dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type,
+                                       torch.finfo(dtype).bits // 8), name)
     codes = _unpack(data, num_bits).reshape(num_groups, -1)
     values = _dequantize_rows(codes, params.reshape(num_groups, -1).float(), asymmetric).to(dtype)
     out_sizes = list(data.shape)
@@ -197,9 +208,9 @@ def _dequantize(data: torch.Tensor, params: torch.Tensor, num_groups: int, num_b
 
 
 def dequantize(data: torch.Tensor, params: torch.Tensor, num_groups: int, num_bits: int, quant_type) -> torch.Tensor:
-    return _dequantize(data, params, num_groups, num_bits, quant_type, torch.float16)
+    return _dequantize("dequantize", data, params, num_groups, num_bits, quant_type, torch.float16)
 
 
 def dequantize_fp32(data: torch.Tensor, params: torch.Tensor, num_groups: int, num_bits: int,
                     quant_type) -> torch.Tensor:
-    return _dequantize(data, params, num_groups, num_bits, quant_type, torch.float32)
+    return _dequantize("dequantize_fp32", data, params, num_groups, num_bits, quant_type, torch.float32)

@@ -8,8 +8,8 @@ Padding and grouping for the quantized gradient reduce-scatter (ZeRO++ qgZ).
 ``all_to_all_quant_reduce`` must return what ``reduce_scatter_coalesced`` returns: rank r gets the
 elements ``[r * C, min((r + 1) * C, numel))`` of each averaged gradient, ``C = ceil(numel / world)``.
 The quantizer kernels instead want every rank's share cut into equal groups whose size suits their
-16-byte vectors and unroll tables (deepspeed/ops/quantizer/qgz_contract.py). Padding reconciles the
-two, and every padding rule lives here, in one pure cached function, ``quantized_reduce_layout``:
+launch geometry (deepspeed/ops/quantizer/qgz_contract.py). Padding reconciles the two, and every
+padding rule lives here, in one pure cached function, ``quantized_reduce_layout``:
 
 * Partition first. Each tensor's rank-r partition keeps the reduce-scatter boundaries and is padded
   with zeros at its end from ``C`` to a whole number of groups. Padding the whole tensor instead
@@ -19,51 +19,57 @@ two, and every padding rule lives here, in one pure cached function, ``quantized
   A rank's *padded partition* is its partitions of all the call's tensors, each padded to whole
   groups, one after the other: no quantization group holds elements of two tensors, so each tensor
   keeps its own scales and precision whatever its neighbours' magnitudes.
-* ``group_elems`` is a multiple of ``VECTOR_ELEMS`` (8): a vector never straddles two groups, and an
-  int4 group is a whole number of the 4-byte loads quantized_reduction makes. It is at most the
-  configured group size (``group_size``; ``DEFAULT_GROUP_SIZE`` unless set, see
-  ``resolve_group_size``). Within that bound the layout sends the fewest bytes (``slot_bytes``,
-  below): a group costs a 4-byte fp32 scale next to its ``group_elems / 2`` bytes of int4 data, and
-  each tensor's last group per partition carries its padding, so the choice weighs scales against
-  padding over the whole call. On a tie the smaller group wins: the same bytes (and the same kernel
-  work) then carry more scales and less padding.
+* ``group_elems`` is a multiple of ``VECTOR_ELEMS`` (8): a vector never straddles two groups, and a
+  group is a whole number of the loads quantized_reduction makes.
+* ``group_elems`` is at least ``MIN_GROUP_SIZE`` (136). quantized_reduction launches one thread per
+  8 values of an output group, with no minimum, and reduces the group's absmax with shuffles over
+  a whole warp, which CUDA leaves undefined in a block of fewer than 32 threads. 136 values is the
+  smallest group that launches a whole warp (``qgz_contract.reduce_min_out_group_elems``).
+* ``group_elems`` is at most the configured group size (``group_size``; ``DEFAULT_GROUP_SIZE``
+  unless set, see ``resolve_group_size``). Within those bounds the layout sends the fewest bytes
+  across nodes: a group costs a 4-byte fp32 scale next to its ``group_elems / 2`` bytes of int4
+  codes, and each tensor's last group per partition carries its padding, so the choice weighs
+  scales against padding over the whole call. On a tie the smaller group wins: the same bytes then
+  carry more scales and less padding.
 * Padding bound: a tensor's partition of ``C`` elements takes ``ceil(C / group_elems)`` groups, so
-  it gains at most ``group_elems - 1 < group_size`` zeros per rank: under 1% once a partition holds
-  100 groups (12.8K elements at groups of 128), a few percent for small partitions on many ranks
-  (a 78K-element tensor on 5 x 8 ranks: 4.4%), the fewest bytes either way. The upstream rule
-  ``max(shape[0], shape[1], world)`` groups per tensor made accuracy depend on the shape and could
-  produce groups the kernels mishandle (GPT-2's 50257 x 768 embedding gives 50257 groups).
+  it gains fewer than ``group_elems`` zeros per rank.
 
-What travels is a *slot*: one padded partition, quantized, followed by its scales, in one int4
-buffer the kernels read and write as it is. The kernels keep a group's fp32 scale apart from its
-int4 data, and a collective moves one contiguous block per peer, so each slot ends in
-``scale_groups`` extra groups (*scale groups*) whose bytes hold the slot's ``groups_per_partition``
-fp32 scales: ``slot_groups = groups_per_partition + scale_groups`` groups, ``slot_bytes =
-slot_groups x group_elems / 2``. The kernels treat the scale groups as data: they enter stage 0 as
-zeros and every kernel gets a parameter of 0 for them, so they dequantize to zeros and cost nothing
-but their bytes (``4 x groups_per_partition`` rounded up to a group, under 7% of the slot at
-groups of 128). The scales are written into them after each kernel. So the kernels' outputs are the
-collectives' buffers: nothing is packed before an exchange or gathered after it. The intra-node
-all-to-all carries ``world`` slots per rank (every partition, in the kernels' swizzle order), the
-inter-node all-to-all ``num_nodes`` node-summed slots.
+What travels is a *slot*: one padded partition, quantized, followed by its scales, in one buffer
+the kernels read and write as it is. The kernels keep a group's fp32 scale apart from its codes,
+and a collective moves one contiguous block per peer, so each slot ends in ``scale_groups`` extra
+groups (*scale groups*) whose bytes hold the slot's ``groups_per_partition`` fp32 scales. The
+kernels treat the scale groups as data: they enter quantization as zeros and every kernel gets a
+parameter of 0 for them, so they dequantize to zeros and cost nothing but their bytes. The scales
+are written into them after each kernel. So the kernels' outputs are the collectives' buffers:
+nothing is packed before an exchange or gathered after it.
+
+A call has two slot formats (``SlotFormat``): ``intra``, the codes of ``intra_node_bits`` (4 or 8)
+that the intra-node all-to-all carries (``world`` slots per rank, every partition, in the kernels'
+swizzle order), and ``inter``, the int4 codes of the node sums that the inter-node all-to-all
+carries (``num_nodes`` slots per rank). At 8 bits a group's scale takes half as many code bytes'
+worth of a group, so the two formats have different numbers of scale groups.
 """
 
 import math
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import List, Optional, Tuple
 
 import torch
 
-from deepspeed.ops.quantizer.qgz_contract import SWIZZLE_MAX_GROUP_ELEMS, VECTOR_ELEMS
+from deepspeed.ops.quantizer.qgz_contract import SWIZZLE_MAX_GROUP_ELEMS, VECTOR_ELEMS, reduce_min_out_group_elems
 
-QUANT_BITS = 4
+# The inter-node exchange always carries int4 codes; the intra-node exchange int4 or int8.
+INTER_NODE_BITS = 4
+INTRA_NODE_BITS = (4, 8)
+DEFAULT_INTRA_NODE_BITS = 4
 SCALE_BYTES = 4
 
+# The smallest group quantized_reduction reduces with a whole warp (see the module docstring).
+MIN_GROUP_SIZE = reduce_min_out_group_elems(INTER_NODE_BITS)
 # The largest quantization group, in values, unless the caller or DS_QGZ_GROUP_SIZE says otherwise.
-# Chosen from training data: benchmarks/convergence.py, README "Choosing the group size".
-DEFAULT_GROUP_SIZE = 128
+DEFAULT_GROUP_SIZE = MIN_GROUP_SIZE
 GROUP_SIZE_ENV = "DS_QGZ_GROUP_SIZE"
 
 
@@ -72,8 +78,9 @@ def resolve_group_size(group_size: Optional[int] = None) -> int:
     variable DS_QGZ_GROUP_SIZE if set, else DEFAULT_GROUP_SIZE.
 
     Raises:
-        ValueError: the value is not a multiple of 8 between 8 and 40960 (the kernels' vector width
-            and swizzle_quant's largest launch), or the environment variable is not an integer.
+        ValueError: the value is not a multiple of 8 between MIN_GROUP_SIZE and 40960 (the
+            kernels' vector width, a warp of quantized_reduction threads, swizzle_quant's largest
+            launch), or the environment variable is not an integer.
     """
     source = "group_size"
     if group_size is None:
@@ -85,10 +92,25 @@ def resolve_group_size(group_size: Optional[int] = None) -> int:
             group_size = int(text)
         except ValueError:
             raise ValueError(f"{GROUP_SIZE_ENV}={text!r} is not an integer") from None
-    if not (VECTOR_ELEMS <= group_size <= SWIZZLE_MAX_GROUP_ELEMS and group_size % VECTOR_ELEMS == 0):
-        raise ValueError(f"{source} {group_size} must be a multiple of {VECTOR_ELEMS} between {VECTOR_ELEMS} and "
-                         f"{SWIZZLE_MAX_GROUP_ELEMS} (the kernels' vector width and largest group)")
+    if not (MIN_GROUP_SIZE <= group_size <= SWIZZLE_MAX_GROUP_ELEMS and group_size % VECTOR_ELEMS == 0):
+        raise ValueError(f"{source} {group_size} must be a multiple of {VECTOR_ELEMS} between {MIN_GROUP_SIZE} and "
+                         f"{SWIZZLE_MAX_GROUP_ELEMS} (the kernels' vector width, the smallest group "
+                         f"quantized_reduction reduces with a whole warp, swizzle_quant's largest group)")
     return group_size
+
+
+def resolve_intra_node_bits(intra_node_bits: Optional[int] = None) -> int:
+    """The precision of the intra-node exchange: `intra_node_bits` if given, else
+    DEFAULT_INTRA_NODE_BITS.
+
+    Raises:
+        ValueError: the value is not one of INTRA_NODE_BITS.
+    """
+    if intra_node_bits is None:
+        return DEFAULT_INTRA_NODE_BITS
+    if intra_node_bits not in INTRA_NODE_BITS:
+        raise ValueError(f"intra_node_bits {intra_node_bits!r} must be one of {INTRA_NODE_BITS}")
+    return intra_node_bits
 
 
 @dataclass(frozen=True)
@@ -104,14 +126,82 @@ class TensorLayout:
         return max(0, min(self.partition, self.numel - rank * self.partition))
 
 
+def _check_last_dim(buffer: torch.Tensor, last: int, what: str, context: str) -> None:
+    if buffer.shape[-1] != last:
+        raise ValueError(f"{what}: expected a last dimension of {last} for {context}, got shape {tuple(buffer.shape)}")
+
+
+@dataclass(frozen=True)
+class SlotFormat:
+    """One padded partition quantized to `bits` bits: its groups' codes, then the scale groups
+    that hold its fp32 scales (see the module docstring). Buffers are cut only through the
+    accessors, which check the buffer's size against the format."""
+    bits: int
+    group_elems: int
+    groups_per_partition: int
+
+    @property
+    def group_bytes(self) -> int:
+        return self.group_elems * self.bits // 8
+
+    @property
+    def scale_groups(self) -> int:
+        """Groups at the end of each slot whose bytes hold its scales."""
+        return -(-self.groups_per_partition * SCALE_BYTES // self.group_bytes)
+
+    @property
+    def slot_groups(self) -> int:
+        return self.groups_per_partition + self.scale_groups
+
+    @property
+    def slot_elems(self) -> int:
+        """Values the kernels process per slot: the padded partition and its scale groups."""
+        return self.slot_groups * self.group_elems
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot: the codes, then the fp32 scales (in the scale groups)."""
+        return self.slot_groups * self.group_bytes
+
+    def _context(self) -> str:
+        return (f"{self.bits}-bit slots of {self.groups_per_partition} groups of {self.group_elems} "
+                f"(+{self.scale_groups} scale groups)")
+
+    def scales(self, slots: torch.Tensor) -> torch.Tensor:
+        """The fp32 scales of every slot in `slots` ([..., slot_bytes] int8), held in its scale
+        groups, as a [..., groups_per_partition] view."""
+        _check_last_dim(slots, self.slot_bytes, "scales", self._context())
+        start = self.groups_per_partition * self.group_bytes
+        return slots[..., start:start + self.groups_per_partition * SCALE_BYTES].view(torch.float32)
+
+    def grouped(self, values: torch.Tensor) -> torch.Tensor:
+        """[..., slot_elems] values (a padded partition and its scale groups) as a
+        [..., slot_groups, group_elems] view."""
+        _check_last_dim(values, self.slot_elems, "grouped", self._context())
+        return values.view(*values.shape[:-1], self.slot_groups, self.group_elems)
+
+    def data_groups(self, values: torch.Tensor) -> torch.Tensor:
+        """The padded partition's groups of [..., slot_elems] values: a [..., groups_per_partition,
+        group_elems] view without the scale groups."""
+        return self.grouped(values)[..., :self.groups_per_partition, :]
+
+    def kernel_params(self, scales: torch.Tensor) -> torch.Tensor:
+        """Per-group kernel parameters for whole slots from [..., groups_per_partition] scales: each
+        slot's scales, then 0 for each of its scale groups (which then dequantize to zeros), as a
+        contiguous [-1, 1] fp32 tensor."""
+        _check_last_dim(scales, self.groups_per_partition, "kernel_params", self._context())
+        return torch.nn.functional.pad(scales, (0, self.scale_groups)).view(-1, 1)
+
+
 @dataclass(frozen=True)
 class QuantizedReduceLayout:
     """The padded, grouped layout of one quantized reduce-scatter call (see the module docstring).
-    Sizes derived from the fields are properties; buffers are cut only through the accessors below,
-    which check the buffer's size against the layout."""
+    Sizes derived from the fields are properties; buffers are cut only through the accessors, here
+    and in the slot formats, which check the buffer's size against the layout."""
     num_nodes: int
     local_world_size: int
     group_elems: int
+    intra_node_bits: int
     tensors: Tuple[TensorLayout, ...]
 
     @property
@@ -133,68 +223,34 @@ class QuantizedReduceLayout:
         return tensor.num_groups * self.group_elems - tensor.partition
 
     @property
-    def scale_groups(self) -> int:
-        """Groups at the end of each slot that carry its scales (see the module docstring)."""
-        return _scale_groups(self.groups_per_partition, self.group_elems)
-
-    @property
-    def slot_groups(self) -> int:
-        return self.groups_per_partition + self.scale_groups
-
-    @property
-    def slot_elems(self) -> int:
-        """Values the kernels process per slot: the padded partition and its scale groups."""
-        return self.slot_groups * self.group_elems
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one slot: int4 data, then the fp32 scales (in the scale groups)."""
-        return self.slot_elems * QUANT_BITS // 8
-
-    @property
     def padding_elems(self) -> int:
         """Zeros added across all ranks' padded partitions."""
         return self.world_size * self.padded_partition - sum(t.numel for t in self.tensors)
 
+    @cached_property
+    def intra(self) -> SlotFormat:
+        """The slots of the intra-node exchange (intra_node_bits)."""
+        return SlotFormat(self.intra_node_bits, self.group_elems, self.groups_per_partition)
+
+    @cached_property
+    def inter(self) -> SlotFormat:
+        """The slots of the inter-node exchange (int4 node sums)."""
+        return SlotFormat(INTER_NODE_BITS, self.group_elems, self.groups_per_partition)
+
     @property
     def intra_node_bytes(self) -> int:
         """Bytes each rank sends to the other ranks of its node."""
-        return (self.local_world_size - 1) * self.num_nodes * self.slot_bytes
+        return (self.local_world_size - 1) * self.num_nodes * self.intra.slot_bytes
 
     @property
     def inter_node_bytes(self) -> int:
         """Bytes each rank sends to ranks on other nodes."""
-        return (self.num_nodes - 1) * self.slot_bytes
-
-    # -- accessors -------------------------------------------------------------------------------
-
-    def _check(self, buffer: torch.Tensor, last: int, what: str) -> None:
-        if buffer.shape[-1] != last:
-            raise ValueError(f"{what}: expected a last dimension of {last} for this layout "
-                             f"({self.num_nodes} nodes x {self.local_world_size}, {len(self.tensors)} tensors, "
-                             f"{self.group_elems} per group), got shape {tuple(buffer.shape)}")
-
-    def slot_scales(self, slots: torch.Tensor) -> torch.Tensor:
-        """The fp32 scales of every slot in `slots` ([..., slot_bytes] int8), held in its scale
-        groups, as a [..., groups_per_partition] view."""
-        self._check(slots, self.slot_bytes, "slot_scales")
-        start = self.padded_partition * QUANT_BITS // 8
-        return slots[..., start:start + self.groups_per_partition * SCALE_BYTES].view(torch.float32)
-
-    def grouped(self, slots: torch.Tensor) -> torch.Tensor:
-        """[..., slot_elems] values (a padded partition and its scale groups) as a
-        [..., slot_groups, group_elems] view."""
-        self._check(slots, self.slot_elems, "grouped")
-        return slots.view(*slots.shape[:-1], self.slot_groups, self.group_elems)
-
-    def data_groups(self, slots: torch.Tensor) -> torch.Tensor:
-        """The padded partition's groups of [..., slot_elems] values: a [..., groups_per_partition,
-        group_elems] view without the scale groups."""
-        return self.grouped(slots)[..., :self.groups_per_partition, :]
+        return (self.num_nodes - 1) * self.inter.slot_bytes
 
     def partition(self, padded_partition: torch.Tensor, index: int, rank: int) -> torch.Tensor:
         """Tensor `index`'s real elements in `rank`'s padded partition ([padded_partition]; a 1-D view)."""
-        self._check(padded_partition, self.padded_partition, "partition")
+        _check_last_dim(padded_partition, self.padded_partition, "partition",
+                        f"{self.num_nodes} x {self.local_world_size} ranks, {len(self.tensors)} tensors")
         if not 0 <= rank < self.world_size:
             raise ValueError(f"partition: rank {rank} outside the world of {self.world_size}")
         tensor = self.tensors[index]
@@ -205,39 +261,38 @@ class QuantizedReduceLayout:
         return [self.partition(padded_partition, i, rank) for i in range(len(self.tensors))]
 
 
-def _scale_groups(groups_per_partition: int, group_elems: int) -> int:
-    return -(-groups_per_partition * SCALE_BYTES * 8 // (group_elems * QUANT_BITS))
-
-
-def _slot_bytes(partitions: Tuple[int, ...], group_elems: int) -> int:
-    groups = sum(-(-c // group_elems) for c in partitions)
-    return (groups + _scale_groups(groups, group_elems)) * group_elems * QUANT_BITS // 8
-
-
 @lru_cache(maxsize=1024)
-def quantized_reduce_layout(numels: Tuple[int, ...], num_nodes: int, local_world_size: int,
-                            group_size: int) -> QuantizedReduceLayout:
+def quantized_reduce_layout(numels: Tuple[int, ...],
+                            num_nodes: int,
+                            local_world_size: int,
+                            group_size: int,
+                            intra_node_bits: int = DEFAULT_INTRA_NODE_BITS) -> QuantizedReduceLayout:
     """The layout of one quantized reduce-scatter of tensors of `numels` elements over `num_nodes`
-    x `local_world_size` ranks, with groups of at most `group_size` values. Pure, and cached:
-    ZeRO-3 repeats the same buckets.
+    x `local_world_size` ranks, with groups of at most `group_size` values and `intra_node_bits`
+    codes inside each node. Pure, and cached: ZeRO-3 repeats the same buckets.
 
     Raises:
-        ValueError: a topology size below 1, a tensor without elements, or a group size outside
-            resolve_group_size's range.
+        ValueError: a topology size below 1, a tensor without elements, a group size outside
+            resolve_group_size's range, or intra_node_bits outside INTRA_NODE_BITS.
     """
     if num_nodes < 1 or local_world_size < 1:
         raise ValueError(f"num_nodes ({num_nodes}) and local_world_size ({local_world_size}) must be >= 1")
     if any(n < 1 for n in numels):
         raise ValueError(f"every tensor needs at least one element, got numels {numels}")
     group_size = resolve_group_size(group_size)
+    intra_node_bits = resolve_intra_node_bits(intra_node_bits)
     world = num_nodes * local_world_size
     partitions = tuple(math.ceil(n / world) for n in numels)
-    # fewest bytes on the wire; on a tie the smaller group
-    group_elems = min(range(VECTOR_ELEMS, group_size + 1, VECTOR_ELEMS),
-                      key=lambda elems: (_slot_bytes(partitions, elems), elems))
+
+    def inter_slot_bytes(elems):
+        return SlotFormat(INTER_NODE_BITS, elems, sum(-(-c // elems) for c in partitions)).slot_bytes
+
+    # fewest bytes across nodes; on a tie the smaller group
+    group_elems = min(range(MIN_GROUP_SIZE, group_size + 1, VECTOR_ELEMS),
+                      key=lambda elems: (inter_slot_bytes(elems), elems))
     tensors, offset = [], 0
     for numel, partition in zip(numels, partitions):
         num_groups = -(-partition // group_elems)
         tensors.append(TensorLayout(numel, partition, num_groups, offset))
         offset += num_groups * group_elems
-    return QuantizedReduceLayout(num_nodes, local_world_size, group_elems, tuple(tensors))
+    return QuantizedReduceLayout(num_nodes, local_world_size, group_elems, intra_node_bits, tuple(tensors))

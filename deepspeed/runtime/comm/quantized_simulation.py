@@ -5,11 +5,11 @@
 """
 all_to_all_quant_reduce for a whole simulated cluster in one process.
 
-Every rank's stages run here, with the kernels all_to_all_quant_reduce uses, and the two
-all-to-alls become the permutations they perform. Rank results are bit-identical to a real run's.
-For testing layouts and topologies without processes, for checking a quantizer build against
-another (scripts/gpu_check.py), and for measuring qgZ's error on real gradients at cluster shapes
-this machine cannot run (benchmarks/convergence.py).
+Every rank's stages (quantized_pipeline.py) run here, with the kernels all_to_all_quant_reduce
+uses, and the two all-to-alls become the permutations they perform, so rank results are
+bit-identical to a real run's. For testing layouts and topologies without processes, for checking
+one quantizer build against another, and for measuring qgZ's error on real gradients at cluster
+shapes a test machine cannot run.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -17,8 +17,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from deepspeed.runtime.comm import coalesced_collectives as cc
-from deepspeed.runtime.comm.quantized_layout import (QuantizedReduceLayout, quantized_reduce_layout,
-                                                     resolve_group_size)
+from deepspeed.runtime.comm.quantized_layout import QuantizedReduceLayout, resolve_group_size, resolve_intra_node_bits
+from deepspeed.runtime.comm.quantized_pipeline import (average_across_nodes, quantize_partitions,
+                                                       quantized_reduce_plan, reduce_within_node)
 
 
 def simulate_all_to_all_quant_reduce(
@@ -26,28 +27,40 @@ def simulate_all_to_all_quant_reduce(
         num_nodes: int,
         local_world_size: int,
         quantizer=None,
-        group_size: Optional[int] = None) -> Tuple[List[List[torch.Tensor]], QuantizedReduceLayout]:
+        group_size: Optional[int] = None,
+        intra_node_bits: Optional[int] = None) -> Tuple[List[List[torch.Tensor]], List[QuantizedReduceLayout]]:
     """Args:
         inputs: inputs[r] is rank r's list of tensors (two or more dimensions, the same shapes on
             every rank), for the num_nodes x local_world_size ranks in rank order.
         quantizer: the quantizer op module (default: the one all_to_all_quant_reduce loads).
-        group_size: as all_to_all_quant_reduce's.
+        group_size, intra_node_bits: as all_to_all_quant_reduce's.
 
     Returns:
-        (outputs, layout): outputs[r] is rank r's list of results, as all_to_all_quant_reduce's.
+        (outputs, layouts): outputs[r] is rank r's list of results, as all_to_all_quant_reduce's;
+        layouts, the layout of each run of the call (one unless the call is split).
     """
     world = num_nodes * local_world_size
     if len(inputs) != world:
         raise ValueError(f"expected inputs for {num_nodes} x {local_world_size} = {world} ranks, got {len(inputs)}")
     quantizer = cc._get_quantizer_module() if quantizer is None else quantizer
-    layout = quantized_reduce_layout(tuple(t.numel() for t in inputs[0]), num_nodes, local_world_size,
-                                     resolve_group_size(group_size))
+    plan = quantized_reduce_plan(tuple(t.numel() for t in inputs[0]), num_nodes, local_world_size,
+                                 resolve_group_size(group_size), resolve_intra_node_bits(intra_node_bits))
+    outputs = [[] for _ in range(world)]
+    for start, layout in plan:
+        run = slice(start, start + len(layout.tensors))
+        for rank, results in enumerate(_simulate_run([list(ranks[run]) for ranks in inputs], layout, quantizer)):
+            outputs[rank] += results
+    return outputs, [layout for _, layout in plan]
+
+
+def _simulate_run(inputs, layout: QuantizedReduceLayout, quantizer) -> List[List[torch.Tensor]]:
+    num_nodes, local_world_size, world = layout.num_nodes, layout.local_world_size, layout.world_size
 
     def coordinates(rank):
         return divmod(rank, local_world_size)  # (node, local rank)
 
     slots = [
-        cc.quantize_partitions(list(inputs[rank]), layout, quantizer).view(local_world_size, num_nodes, -1)
+        quantize_partitions(inputs[rank], layout, quantizer).view(local_world_size, num_nodes, -1)
         for rank in range(world)
     ]
     # Intra-node all-to-all: local rank d receives block d of each local peer, in peer order.
@@ -56,12 +69,12 @@ def simulate_all_to_all_quant_reduce(
         node, local_rank = coordinates(rank)
         peers = range(node * local_world_size, (node + 1) * local_world_size)
         received = torch.cat([slots[peer][local_rank] for peer in peers])
-        node_sums.append(cc.reduce_within_node(received, layout, quantizer))
+        node_sums.append(reduce_within_node(received, layout, quantizer))
     # Inter-node all-to-all among equal local ranks: node n receives row n of each node's sums.
     outputs = []
     for rank in range(world):
         node, local_rank = coordinates(rank)
         received = torch.stack([node_sums[m * local_world_size + local_rank][node] for m in range(num_nodes)])
-        average = cc.average_across_nodes(received, layout, quantizer, inputs[rank][0].dtype)
+        average = average_across_nodes(received, layout, quantizer, inputs[rank][0].dtype)
         outputs.append(layout.partitions(average, rank))
-    return outputs, layout
+    return outputs

@@ -56,14 +56,18 @@ def test_ops_match_reference_bit_for_bit(cpu_quantizer, layout, data):
     assert same_bits(q, rq) and same_bits(s, rs)
 
     # qgZ's one-to-one in/out groups, or fewer and larger output groups where the contract allows
+    # (groups of fewer than 136 values reduce with less than a warp: refused, tested below)
     candidates = [
         g for g in (num_groups // local_size, num_groups // local_size // gpp)
         if not contract.quantized_reduction_violations(q.numel(), s.numel(), num_groups, g, bits, op_type, local_size)
     ]
-    out_groups = data.draw(st.sampled_from(candidates))
-    r, rscale = op.quantized_reduction(q, s, num_groups, out_groups, bits, op_type, local_size)
-    rr, rrscale = ref.quantized_reduction(q, s, num_groups, out_groups, bits, ref_type, local_size)
-    assert same_bits(r, rr) and same_bits(rscale, rrscale)
+    if not candidates:
+        r, rscale, out_groups = q, s, num_groups
+    else:
+        out_groups = data.draw(st.sampled_from(candidates))
+        r, rscale = op.quantized_reduction(q, s, num_groups, out_groups, bits, op_type, local_size)
+        rr, rrscale = ref.quantized_reduction(q, s, num_groups, out_groups, bits, ref_type, local_size)
+        assert same_bits(r, rr) and same_bits(rscale, rrscale)
 
     for fn in ("dequantize", "dequantize_fp32"):
         assert same_bits(
@@ -74,30 +78,62 @@ def test_ops_match_reference_bit_for_bit(cpu_quantizer, layout, data):
 Q = object()  # stands for each module's Symmetric
 
 
-@pytest.mark.parametrize("fn_args,message", [
-    (("swizzle_quant", torch.zeros(96, dtype=torch.half), 7, 4, Q, 1, 1, 1), "not divisible by num_groups 7"),
-    (("swizzle_quant", torch.zeros(96, dtype=torch.half), 4, 4, Q, 1, 3, 1), "num_nodes x local_world_size"),
-    (("swizzle_quant", torch.zeros(80, dtype=torch.half), 4, 4, Q, 1, 2, 2), "vector width"),
-    (("swizzle_quant", torch.zeros(49152, dtype=torch.half), 1, 4, Q, 1, 1, 1), "largest launch"),
-    (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 4, Q, 3, 2, 2), "pipeline_size"),
-    (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 3, Q, 1, 2, 2), "num_bits"),
-    (("swizzle_quant", torch.zeros(64, dtype=torch.float32), 4, 4, Q, 1, 2, 2), "float16"),
-    (("quantized_reduction", torch.zeros(60, dtype=torch.int8), torch.ones(6,
-                                                                           1), 6, 3, 4, Q, 4), "local_world_size 4"),
-    (("quantized_reduction", torch.zeros(12, dtype=torch.int8), torch.ones(6, 1), 6, 3, 4, Q, 2), "4-byte load"),
-    (("quantized_reduction", torch.zeros(48, dtype=torch.int8), torch.ones(5, 1), 6, 3, 4, Q, 2), "scales hold 5"),
-    (("quantized_reduction", torch.zeros(2 * 65536, dtype=torch.int8), torch.ones(
-        2, 1), 2, 1, 4, Q, 2), "largest launch"),
-    (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(3, 1), 3, 4, Q), "not divisible by num_groups 3"),
-    (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(10, 1), 10, 4, Q), "vector width"),
-    (("dequantize", torch.zeros(16, dtype=torch.int8), torch.ones(3, 1), 2, 4, Q), "params hold 3"),
-])
+@pytest.mark.parametrize(
+    "fn_args,message",
+    [
+        (("swizzle_quant", torch.zeros(96, dtype=torch.half), 7, 4, Q, 1, 1, 1), "not divisible by num_groups 7"),
+        (("swizzle_quant", torch.zeros(96, dtype=torch.half), 4, 4, Q, 1, 3, 1), "num_nodes x local_world_size"),
+        (("swizzle_quant", torch.zeros(80, dtype=torch.half), 4, 4, Q, 1, 2, 2), "vector width"),
+        (("swizzle_quant", torch.zeros(49152, dtype=torch.half), 1, 4, Q, 1, 1, 1), "largest launch"),
+        (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 4, Q, 3, 2, 2), "pipeline_size"),
+        (("swizzle_quant", torch.zeros(64, dtype=torch.half), 4, 3, Q, 1, 2, 2), "num_bits"),
+        (("swizzle_quant", torch.zeros(64, dtype=torch.float32), 4, 4, Q, 1, 2, 2), "float16"),
+        (("quantized_reduction", torch.zeros(60, dtype=torch.int8), torch.ones(
+            6, 1), 6, 3, 4, Q, 4), "local_world_size 4"),
+        (("quantized_reduction", torch.zeros(12, dtype=torch.int8), torch.ones(6, 1), 6, 3, 4, Q, 2), "4-byte load"),
+        (("quantized_reduction", torch.zeros(48, dtype=torch.int8), torch.ones(5, 1), 6, 3, 4, Q, 2), "scales hold 5"),
+        (("quantized_reduction", torch.zeros(2 * 65536, dtype=torch.int8), torch.ones(
+            2, 1), 2, 1, 4, Q, 2), "largest launch"),
+        # out-groups of 128 values: a 16-thread block, whose full-warp shuffles read lanes that do not exist
+        (("quantized_reduction", torch.zeros(2 * 64, dtype=torch.int8), torch.ones(
+            2, 1), 2, 1, 4, Q, 2), "elements per out-group 128 launch 16 threads, fewer than a warp"),
+        (("quantized_reduction", torch.zeros(2 * 8, dtype=torch.int8), torch.ones(
+            2, 1), 2, 1, 8, Q, 2), "elements per out-group 8 launch 1 threads, fewer than a warp"),
+        # what the CUDA bindings would read as another type
+        (("quantized_reduction", torch.zeros(2 * 68, dtype=torch.int8), torch.ones(
+            2, 1).half(), 2, 1, 4, Q, 2), "scales must be torch.float32"),
+        (("quantized_reduction", torch.zeros(2 * 68, dtype=torch.uint8), torch.ones(
+            2, 1), 2, 1, 4, Q, 2), "data must be torch.int8"),
+        (("dequantize", torch.zeros(16, dtype=torch.int8), torch.ones(
+            2, 1).half(), 2, 4, Q), "params must be torch.float32"),
+        (("dequantize", torch.zeros(16, dtype=torch.int8), torch.ones(2, 1, device="meta"), 2, 4, Q), "on one device"),
+        # int indices past 2**31 in dequantize's last block (a stride-0 view: no memory behind it)
+        (("dequantize", torch.zeros(1, dtype=torch.int8).expand(2**30), torch.ones(2**16, 1), 2**
+          16, 4, Q), "output elements 2147483648 exceed the kernels' int32 indexing"),
+        (("dequantize_fp32", torch.zeros(1, dtype=torch.int8).expand(2**30 - 4096), torch.ones(
+            1, 1), 1, 4, Q), "last block, which indexes up to the next multiple of 16384"),
+        (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(3,
+                                                                      1), 3, 4, Q), "not divisible by num_groups 3"),
+        (("dequantize", torch.zeros(20, dtype=torch.int8), torch.ones(10, 1), 10, 4, Q), "vector width"),
+        (("dequantize", torch.zeros(16, dtype=torch.int8), torch.ones(3, 1), 2, 4, Q), "params hold 3"),
+    ])
 def test_contract_violations_are_refused(cpu_quantizer, fn_args, message):
     name, *args = fn_args
     for module in (cpu_quantizer, ref):
         call_args = [module.Symmetric if arg is Q else arg for arg in args]
         with pytest.raises(ValueError, match=message):
             getattr(module, name)(*call_args)
+
+
+def test_cpu_op_itself_refuses_sub_warp_reductions(cpu_quantizer):
+    """The op, called without the contract checks, refuses what CUDA would leave undefined too."""
+    ops = cpu_quantizer.ops
+    data = torch.zeros(2 * 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="out-groups of 128 elements launch 16 threads, fewer than a warp"):
+        ops.quantized_reduction(data, torch.ones(2, 1), 2, 1, 4, ops.Symmetric, 2)
+    out, scales = ops.quantized_reduction(torch.zeros(2 * 68, dtype=torch.int8), torch.ones(2, 1), 2, 1, 4,
+                                          ops.Symmetric, 2)
+    assert out.shape == (68, ) and scales.shape == (1, 1)
 
 
 def test_symmetric_int4_semantics(cpu_quantizer):
@@ -135,6 +171,9 @@ def test_launch_geometry_matches_the_contract(cpu_quantizer):
         for out_group_bytes in range(load, largest + 1, load):
             assert tuple(ops._reduce_launch(out_group_bytes, bits)) == contract.reduce_launch(out_group_bytes, bits)
         assert contract.reduce_launch(largest + load, bits)[1] is None
+        smallest = contract.reduce_min_out_group_elems(bits) // contract.values_per_byte(bits)
+        assert ops._reduce_launch(smallest, bits)[0] >= contract.WARP_SIZE > ops._reduce_launch(smallest - load,
+                                                                                                bits)[0]
     assert contract.swizzle_launch(contract.SWIZZLE_MAX_GROUP_ELEMS + contract.VECTOR_ELEMS)[1] is None
     for quant_type in (ops.Symmetric, ops.Asymmetric):
         assert ops._param_width(quant_type) == contract.param_width(quant_type)
@@ -153,7 +192,7 @@ def test_portable_path_matches_reference():
 
     op = ContractCheckedQuantizer(ScalarQuantizerBuilder().load())
     gen = torch.Generator().manual_seed(5)
-    for num_nodes, local_size, elems, asymmetric in [(3, 2, 1000, False), (2, 3, 8, True), (1, 4, 40, False)]:
+    for num_nodes, local_size, elems, asymmetric in [(3, 2, 1000, False), (2, 3, 136, True), (1, 4, 4096, False)]:
         num_groups = num_nodes * local_size * 2
         x = (torch.randn(num_groups * elems, generator=gen) * 50).half()
         x[3], x[elems + 1], x[-1] = float("nan"), float("inf"), -65504

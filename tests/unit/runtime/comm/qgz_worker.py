@@ -87,19 +87,29 @@ def check_outputs(name, inputs, outputs, report, exact_path=None):
 
 
 def check_case(name, shapes, dtype_name, seed, groups, report, magnitudes=None, **kwargs):
+    """One call against the exact average, and its quantized tensors against the same call
+    simulated for the whole cluster in this process, bit for bit."""
     from deepspeed.runtime.comm import coalesced_collectives as cc
+    from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
     start = time.perf_counter()
-    inputs = rank_inputs(shapes, dtype_name, seed, dist.get_world_size(), magnitudes)
-    mine = inputs[dist.get_rank()]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    inputs = rank_inputs(shapes, dtype_name, seed, world, magnitudes)
+    mine = inputs[rank]
     originals = [t.clone() for t in mine]
     outputs = cc.all_to_all_quant_reduce(mine, groups, **kwargs)
     stats = cc.qgz_accounting.last_call
-    multi_dim = sum(1 for t in mine if t.dim() > 1 and t.numel() > 0)
-    if stats.quantized_tensors != multi_dim:
-        report["failures"].append(f"{name}: {stats.quantized_tensors} of {multi_dim} multi-dim tensors quantized")
+    quantized = [i for i, t in enumerate(mine) if t.dim() > 1 and t.numel() > 0]
+    if stats.quantized_tensors != len(quantized):
+        report["failures"].append(f"{name}: {stats.quantized_tensors} of {len(quantized)} multi-dim tensors quantized")
     if not all(same_bits(a, b) for a, b in zip(mine, originals)):
         report["failures"].append(f"{name}: the caller's tensors were written to")
     check_outputs(name, inputs, outputs, report)
+    if quantized:
+        simulated, _ = simulate_all_to_all_quant_reduce([[ranks[i] for i in quantized] for ranks in inputs],
+                                                        world // int(os.environ["LOCAL_SIZE"]),
+                                                        int(os.environ["LOCAL_SIZE"]), **kwargs)
+        if not all(same_bits(outputs[i], sim) for i, sim in zip(quantized, simulated[rank])):
+            report["failures"].append(f"{name}: differs from the simulated cluster")
     report["cases"] += 1
     report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 3)
     return outputs
@@ -116,58 +126,72 @@ def topology_suite(groups, report):
         "bucket": [(33, 17), (64, ), (5, 5, 5), (0, 4), (1, 2), (128, 96), (11, ), (2, 1, 1)],
     }
     seed = 1
-    for name, shapes in shape_sets.items():
-        for dtype_name in DTYPES:
+    for bits in INTRA_NODE_BITS:
+        for name, shapes in shape_sets.items():
+            for dtype_name in DTYPES:
+                seed += 1
+                check_case(f"{name}/{dtype_name}/{bits}",
+                           shapes,
+                           dtype_name,
+                           seed,
+                           groups,
+                           report,
+                           intra_node_bits=bits)
+        # One group size for the whole call: no group may mix two tensors, so a tensor 10^6 times
+        # smaller than its neighbours keeps its own precision.
+        for dtype_name, magnitudes in (("fp32", [1e-3, 1e3, 1.0,
+                                                 1e-3]), ("bf16", [1e-3, 1e3, 1.0,
+                                                                   1e-3]), ("fp16", [1e-2, 1e4, 1.0, 1e-2])):
             seed += 1
-            check_case(f"{name}/{dtype_name}", shapes, dtype_name, seed, groups, report)
-    # One group size for the whole call: no group may mix two tensors, so a tensor 10^6 times
-    # smaller than its neighbours keeps its own precision.
-    for dtype_name, magnitudes in (("fp32", [1e-3, 1e3, 1.0, 1e-3]), ("bf16", [1e-3, 1e3, 1.0,
-                                                                               1e-3]), ("fp16", [1e-2, 1e4, 1.0,
-                                                                                                 1e-2])):
-        seed += 1
-        check_case(f"mixed-magnitude/{dtype_name}", [(33, 17), (64, 48), (5, 5, 5), (1, 9)], dtype_name, seed, groups,
-                   report, magnitudes)
-    for group_size in (8, 1024):
-        seed += 1
-        check_case(f"group-size-{group_size}", [(33, 17), (300, 7)],
-                   "bf16",
-                   seed,
-                   groups,
-                   report,
-                   group_size=group_size)
-    accounting(groups, report)
-    determinism(groups, report)
-    non_finite(groups, report)
+            check_case(f"mixed-magnitude/{dtype_name}/{bits}", [(33, 17), (64, 48), (5, 5, 5), (1, 9)],
+                       dtype_name,
+                       seed,
+                       groups,
+                       report,
+                       magnitudes,
+                       intra_node_bits=bits)
+        for group_size in (136, 1024):
+            seed += 1
+            check_case(f"group-size-{group_size}/{bits}", [(33, 17), (300, 7)],
+                       "bf16",
+                       seed,
+                       groups,
+                       report,
+                       group_size=group_size,
+                       intra_node_bits=bits)
+        accounting(groups, report, bits)
+        determinism(groups, report, bits)
+        non_finite(groups, report, bits)
     bad_input(groups, report)
 
 
-def accounting(groups, report):
+def accounting(groups, report, bits):
     """qgz_accounting's calls and bytes against what actually went through the collectives."""
     from deepspeed.runtime.comm import coalesced_collectives as cc
     world, rank = dist.get_world_size(), dist.get_rank()
     local_world_size = int(os.environ["LOCAL_SIZE"])
     mine = rank_inputs([(33, 17), (64, ), (5, 5, 5), (11, )], "bf16", 123, world)[rank]
     with CollectiveCounter([cc], world, local_world_size) as seen:
-        cc.all_to_all_quant_reduce(mine, groups)
+        cc.all_to_all_quant_reduce(mine, groups, intra_node_bits=bits)
     stats = cc.qgz_accounting.last_call
     got = (stats.collective_calls, stats.intra_node_bytes, stats.inter_node_bytes)
     expected = (seen.calls, seen.intra_bytes, seen.inter_bytes)
     if got != expected or seen.calls > 3:
-        report["failures"].append(f"accounting: reported (calls, intra, inter) {got}, collectives saw {expected}")
+        report["failures"].append(
+            f"accounting/{bits}: reported (calls, intra, inter) {got}, collectives saw {expected}")
 
 
-def determinism(groups, report):
+def determinism(groups, report, bits):
     from deepspeed.runtime.comm import coalesced_collectives as cc
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = rank_inputs([(45, 33), (17, )], "bf16", 99, world)[rank]
-    first = cc.all_to_all_quant_reduce(mine, groups)
-    second = cc.all_to_all_quant_reduce([t.clone() for t in mine], groups)
+    first = cc.all_to_all_quant_reduce(mine, groups, intra_node_bits=bits)
+    second = cc.all_to_all_quant_reduce([t.clone() for t in mine], groups, intra_node_bits=bits)
     if not all(same_bits(a, b) for a, b in zip(first, second)):
-        report["failures"].append("determinism: two identical calls differ")
+        report["failures"].append(f"determinism/{bits}: two identical calls differ")
 
 
-def non_finite(groups, report):
+def non_finite(groups, report, bits):
     """A NaN in the last rank's input inside rank 0's partition, and an inf in rank 0's input inside
     the last rank's partition, must reach their owners, and only them."""
     from deepspeed.runtime.comm import coalesced_collectives as cc
@@ -181,12 +205,12 @@ def non_finite(groups, report):
             flat[chunk // 2] = float("nan")
         if rank == 0:
             flat[(world - 1) * chunk + 1] = float("inf")
-        out = cc.all_to_all_quant_reduce([mine], groups)[0]
+        out = cc.all_to_all_quant_reduce([mine], groups, intra_node_bits=bits)[0]
         poisoned = rank in (0, world - 1)
         if poisoned and torch.isfinite(out).all():
-            report["failures"].append(f"non-finite/{dtype_name}: rank {rank}'s partition lost a NaN/inf")
+            report["failures"].append(f"non-finite/{dtype_name}/{bits}: rank {rank}'s partition lost a NaN/inf")
         if not poisoned and not torch.isfinite(out).all():
-            report["failures"].append(f"non-finite/{dtype_name}: rank {rank}'s partition became non-finite")
+            report["failures"].append(f"non-finite/{dtype_name}/{bits}: rank {rank}'s partition became non-finite")
 
 
 def bad_input(groups, report):
@@ -201,6 +225,10 @@ def bad_input(groups, report):
         (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4), torch.ones(4, 4).half()], groups), "share a dtype"),
         "group size":
         (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4)], groups, group_size=100), "group_size 100"),
+        "sub-warp group size":
+        (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4)], groups, group_size=128), "between 136 and"),
+        "intra-node bits": (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4)], groups, intra_node_bits=2),
+                            "intra_node_bits 2 must be one of (4, 8)"),
     }
     if num_nodes > 1:
         cases["missing group"] = (lambda: cc.all_to_all_quant_reduce([torch.ones(4, 4)], {}), "groups has no")
@@ -253,21 +281,26 @@ def npu_quantizer_suite(groups, report):
     real = NPUQuantizer.swizzle_quant
     NPUQuantizer.swizzle_quant = staticmethod(lambda *args: calls.append(1) or real(*args))
     try:
-        for dtype_name in NPU_DTYPES:
-            value = -(rank + 1.0)
-            tensors = [torch.full((8, 16), value), torch.full((3, 5, 7), value), torch.full((16, ), value)]
-            outputs = cc.all_to_all_quant_reduce([t.to(DTYPES[dtype_name]) for t in tensors], groups)
-            average = -(world + 1) / 2
-            for i, out in enumerate(outputs):
-                if not torch.equal(out.double(), torch.full_like(out.double(), average)):
-                    report["failures"].append(f"NPUQuantizer/{dtype_name}[{i}]: got {out.tolist()[:4]}..., "
-                                              f"expected {average} everywhere")
-            report["cases"] += 1
+        for bits in INTRA_NODE_BITS:
+            for dtype_name in NPU_DTYPES:
+                value = -(rank + 1.0)
+                tensors = [torch.full((8, 16), value), torch.full((3, 5, 7), value), torch.full((16, ), value)]
+                outputs = cc.all_to_all_quant_reduce([t.to(DTYPES[dtype_name]) for t in tensors],
+                                                     groups,
+                                                     intra_node_bits=bits)
+                average = -(world + 1) / 2
+                for i, out in enumerate(outputs):
+                    if not torch.equal(out.double(), torch.full_like(out.double(), average)):
+                        report["failures"].append(f"NPUQuantizer/{dtype_name}/{bits}[{i}]: got {out.tolist()[:4]}..., "
+                                                  f"expected {average} everywhere")
+                report["cases"] += 1
     finally:
         cc.quantizer_module = saved
         NPUQuantizer.swizzle_quant = staticmethod(real)
-    if len(calls) != len(NPU_DTYPES):
-        report["failures"].append(f"NPUQuantizer: swizzle_quant called {len(calls)} times, expected {len(NPU_DTYPES)}")
+    # one swizzle_quant per call at 4 bits inside the node, two at 8 (the node sums are requantized)
+    expected = len(NPU_DTYPES) * (1 + 2)
+    if len(calls) != expected:
+        report["failures"].append(f"NPUQuantizer: swizzle_quant called {len(calls)} times, expected {expected}")
 
 
 def differential_suite(groups, report):
@@ -291,6 +324,7 @@ def differential_suite(groups, report):
 
 
 NPU_DTYPES = ("fp16", "bf16")
+INTRA_NODE_BITS = (4, 8)
 SUITES = {"topology": topology_suite, "differential": differential_suite, "npu": npu_quantizer_suite}
 
 
