@@ -31,21 +31,22 @@ def _this_package():
 
 PACKAGE = _this_package()
 
-# The patch's own files, at DeepSpeed's source-tree paths.
-PATCH_DIRS = ("deepspeed", ) + tuple(source.rstrip("/") for source, _ in PACKAGE.LINKED_DIRS)
+# The patch's own files, at DeepSpeed's source-tree paths: the code, and DeepSpeed's tests of it
+# (which `python -m deepspeed_qgz diff --deepspeed-tree` emits; the overlay never imports them).
+PATCH_DIRS = ("deepspeed", ) + tuple(source.rstrip("/") for source, _ in PACKAGE.LINKED_DIRS) + ("tests", )
 OVERLAY_SUFFIXES = {".py", ".cpp", ".h"}
 
 
 def overlay_files():
-    """(file in this repository, its path inside an installed deepspeed package)."""
+    """(file in this repository, its path inside an installed deepspeed package, or under tests/)."""
     for source_dir in PATCH_DIRS:
         for path in sorted((ROOT / source_dir).rglob("*")):
             if path.is_file() and path.suffix in OVERLAY_SUFFIXES and "__pycache__" not in path.parts:
                 yield path, Path(PACKAGE.installed_path(path.relative_to(ROOT).as_posix()))
 
 
-# DS_QGZ_TOOLS_ONLY=1 installs the package's tools (diff, status, the test harness) without the
-# overlay, for a DeepSpeed patched in-tree (scripts/check_intree.sh).
+# DS_QGZ_TOOLS_ONLY=1 installs the package's command line (status, diff) without the overlay, for
+# a DeepSpeed patched in-tree (scripts/check_intree.sh).
 TOOLS_ONLY = os.environ.get("DS_QGZ_TOOLS_ONLY") == "1"
 
 
@@ -73,7 +74,7 @@ setup(
     long_description=(ROOT / "README.md").read_text(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.9",
+    python_requires=">=3.9",  # torch >= 2.0 and deepspeed 0.19.8: requirements/requirements.txt
     packages=["deepspeed_qgz"],
     install_requires=(ROOT / "requirements" / "requirements.txt").read_text().split(),
     cmdclass={"build_py": BuildWithOverlay},

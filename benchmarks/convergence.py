@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1] / "scripts"))  # qgz_harness
 NODES, PROCS_PER_NODE = 3, 2
 VOCAB, WIDTH, LAYERS, HEADS, CONTEXT = 256, 256, 4, 4, 64
 MICRO_BATCH = 2
@@ -183,7 +184,7 @@ def upstream_as_users_get_it():
     as the CUDA kernels do ((__half*)data_ptr()): bf16 gradients are quantized as garbage."""
     import torch
     from deepspeed.accelerator import get_accelerator
-    from deepspeed_qgz.harness import load_upstream_module
+    from qgz_harness import load_upstream_module
     upstream = load_upstream_module("runtime/comm/coalesced_collectives.py", "upstream_coalesced_collectives")
     upstream.logger.setLevel("ERROR")  # a fallback warning per tensor per step otherwise
     ops = BeyondContract(get_accelerator().create_op_builder("QuantizerBuilder").load())
@@ -231,6 +232,10 @@ def run_plan(args):
     return runs, plan
 
 
+def run_file(name, seed):
+    return f"run_{name.replace('/', '-')}_seed{seed}.json"
+
+
 def ds_config(quantized):
     return {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -274,7 +279,7 @@ def worker(args):
     import deepspeed.comm as dist
     from deepspeed.runtime.comm import coalesced_collectives as cc
     from deepspeed.runtime.zero import stage3
-    from deepspeed_qgz.harness import CollectiveCounter
+    from qgz_harness import CollectiveCounter
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -343,7 +348,7 @@ def worker(args):
             if rank == 0:
                 torch.save({k: v.float() for k, v in state.items()}, out / MODEL)
         if rank == 0:
-            (out / f"run_{name}_seed{seed}.json").write_text(json.dumps(result))
+            (out / run_file(name, seed)).write_text(json.dumps(result))
         engine.destroy() if hasattr(engine, "destroy") else None
         del engine, model
     dist.barrier()
@@ -496,6 +501,10 @@ def summarize(results, steps):
     return rows
 
 
+def ratio(row, off, key):
+    return f"{row[key] / off[key]:.3f}x" if off else ""
+
+
 def report(rows, fid, steps):
     off = next((r for r in rows if r["name"] == "off"), None)
     lines = [
@@ -513,11 +522,10 @@ def report(rows, fid, steps):
         each = ", ".join(f"{g:+.2%}" for g in r["gap_each"])
         gap = "" if r["name"] == "off" else f"{r['gap']:+.3%}" + (f" ({each})" if len(r["gap_each"]) > 1 else "")
         finals = ", ".join(f"{v:.4f}" for v in r["final_val_each"])
-        lines.append(
-            f"| {r['name']} | {', '.join(map(str, r['seeds']))} | {finals} | {gap} | "
-            f"{r['inter_bytes_per_step'] / 1e3:.1f} | {r['inter_bytes_per_step'] / off['inter_bytes_per_step']:.3f}x | "
-            f"{r['intra_bytes_per_step'] / 1e3:.1f} | {r['intra_bytes_per_step'] / off['intra_bytes_per_step']:.3f}x | "
-            f"{r['quantized_share']:.1%} | {r['seconds']:.0f} |")
+        lines.append(f"| {r['name']} | {', '.join(map(str, r['seeds']))} | {finals} | {gap} | "
+                     f"{r['inter_bytes_per_step'] / 1e3:.1f} | {ratio(r, off, 'inter_bytes_per_step')} | "
+                     f"{r['intra_bytes_per_step'] / 1e3:.1f} | {ratio(r, off, 'intra_bytes_per_step')} | "
+                     f"{r['quantized_share']:.1%} | {r['seconds']:.0f} |")
     if fid:
         lines += [
             "", "Relative RMS error of the averaged gradient against the exact average, per layer class, on the "
@@ -605,7 +613,7 @@ def main():
         print(report([], fid, args.steps))
         return 0
 
-    from deepspeed_qgz.harness import Progress, log, run_torchrun_nodes
+    from qgz_harness import Progress, log, run_torchrun_nodes
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -634,10 +642,10 @@ def main():
     command = [str(HERE), "--worker"] + sys.argv[1:] + ["--out", str(work)]
     try:
         output = run_torchrun_nodes(command, NODES, PROCS_PER_NODE, timeout=3600, on_output=on_output)
-        missing = [f"{name} seed {seed}" for name, seed in plan if not (work / f"run_{name}_seed{seed}.json").exists()]
+        missing = [f"{name} seed {seed}" for name, seed in plan if not (work / run_file(name, seed)).exists()]
         if missing:
             raise RuntimeError(f"runs without results: {missing}:\n{output[-6000:]}")
-        results = [json.loads((work / f"run_{name}_seed{seed}.json").read_text()) for name, seed in plan]
+        results = [json.loads((work / run_file(name, seed)).read_text()) for name, seed in plan]
         fid = None
         if not args.smoke and (work / MODEL).exists():
             shutil.copy(work / MODEL, out / MODEL)  # kept for --fidelity-only
@@ -649,7 +657,7 @@ def main():
 
 
 def write_outputs(out, results, fid, steps):
-    from deepspeed_qgz.harness import log
+    from qgz_harness import log
     rows = summarize(results, steps)
     table = report(rows, fid, steps)
     print(table)

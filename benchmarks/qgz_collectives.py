@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from deepspeed_qgz.harness import log, run_world
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from qgz_harness import log, run_world  # noqa: E402
 
 # Modeled GPU: a launch per dispatched op or kernel, memory-bound at HBM bandwidth (H100/H200-class).
 LAUNCH_S = 5e-6
@@ -79,7 +80,7 @@ def setup_rank():
     from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm import coalesced_collectives as ours
     from deepspeed.utils import groups as ds_groups
-    from deepspeed_qgz.harness import load_upstream_module
+    from qgz_harness import load_upstream_module
 
     deepspeed.init_distributed(dist_backend="gloo")
     groups = ds_groups._get_local_all_to_all_group()
@@ -103,7 +104,7 @@ def methods(ours, upstream, groups):
 
 def work_worker(args):
     import torch
-    from deepspeed_qgz.harness import CollectiveCounter, WorkCounter, write_report
+    from qgz_harness import CollectiveCounter, WorkCounter, write_report
 
     dist, groups, ours, upstream, quantizers = setup_rank()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -165,7 +166,7 @@ def memory_worker(args):
     """Extra peak resident memory of one call on MEMORY_SHAPE, in a fresh process: the peak before
     the call (imports, a warm-up call on a small tensor, the input) against the peak after it."""
     import torch
-    from deepspeed_qgz.harness import write_report
+    from qgz_harness import write_report
 
     dist, groups, ours, upstream, quantizers = setup_rank()
     ours.quantizer_module, upstream.quantizer_module = quantizers["ours"], quantizers["upstream"]

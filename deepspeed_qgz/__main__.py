@@ -5,6 +5,7 @@
 """python -m deepspeed_qgz {status,diff}"""
 
 import argparse
+import ast
 import difflib
 import importlib.util
 import sys
@@ -21,10 +22,63 @@ def _upstream_root():
     return Path(list(spec.submodule_search_locations)[0]).parent if spec else None
 
 
+# The patch's DeepSpeed tests, carried under tree/ at DeepSpeed's source-tree paths. They ship with
+# neither DeepSpeed's wheel nor its source distribution, so `diff` emits them only against a
+# DeepSpeed git tree (--deepspeed-tree).
+TESTS = "tests/"
+
+
 def _overlay_files():
-    """(installed path relative to site-packages, overlay file) for every file the patch carries."""
+    """(installed path relative to site-packages, overlay file) for every file of the patch that
+    an installed deepspeed package has a place for."""
     for path in sorted(p for p in TREE.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-        yield path.relative_to(TREE).as_posix(), path
+        relative = path.relative_to(TREE).as_posix()
+        if not relative.startswith(TESTS):
+            yield relative, path
+
+
+def _test_files():
+    """(DeepSpeed source-tree path, file) for every test file of the patch."""
+    for path in sorted((TREE / TESTS).rglob("*.py")):
+        if "__pycache__" not in path.parts:
+            yield path.relative_to(TREE).as_posix(), path
+
+
+def _imports(tree):
+    """The top-level import statements of a parsed module."""
+    return [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def _bound(node):
+    """(module, name, asname) for each name an import statement binds."""
+    module = node.module if isinstance(node, ast.ImportFrom) else None
+    return [(module, alias.name, alias.asname) for alias in node.names]
+
+
+def extend_module(upstream: str, ours: str) -> str:
+    """DeepSpeed's test module `upstream` extended by the patch's module `ours`: upstream's text,
+    then ours after its imports, and ours' imports of names upstream does not import added to
+    upstream's import block (so nothing is imported twice)."""
+    upstream_tree, our_tree = ast.parse(upstream), ast.parse(ours)
+    our_lines = ours.splitlines(keepends=True)
+    our_imports = _imports(our_tree)
+    known = {bound for node in _imports(upstream_tree) for bound in _bound(node)}
+    added = []
+    for node in our_imports:
+        names = [(module, name, asname) for module, name, asname in _bound(node)
+                 if (module, name, asname) not in known]
+        if not names:
+            continue
+        if len(names) == len(node.names):
+            added.append("".join(our_lines[node.lineno - 1:node.end_lineno]))
+            continue
+        aliases = ", ".join(name + (f" as {asname}" if asname else "") for _, name, asname in names)
+        added.append(f"from {node.module} import {aliases}\n")
+    body = "".join(our_lines[our_imports[-1].end_lineno:]) if our_imports else ours
+    lines = upstream.splitlines(keepends=True)
+    last_import = _imports(upstream_tree)[-1].end_lineno
+    text = "".join(lines[:last_import] + added + lines[last_import:])
+    return text.rstrip("\n") + "\n\n\n" + body.strip("\n") + "\n"
 
 
 def status(_args):
@@ -63,15 +117,28 @@ def status(_args):
     return 0
 
 
-def _patch(root):
+def _patch(root, deepspeed_tree=None):
     """(DeepSpeed source-tree path, upstream text or None, patched text) for every file the patch
-    adds, replaces or edits."""
+    adds, replaces or edits: against the installed DeepSpeed, and with `deepspeed_tree` (a
+    DeepSpeed git checkout) also the documentation and the tests, which only its tree has."""
     for installed, overlay in _overlay_files():
         upstream = root / installed
         yield source_path(installed), upstream.read_text() if upstream.exists() else None, overlay.read_text()
     for path in edited_paths():
         text = (root / installed_path(path)).read_text()
         yield path, text, apply_edits(path, text)
+    if deepspeed_tree is None:
+        return
+    for path in edited_paths(in_package=False):
+        text = (deepspeed_tree / path).read_text()
+        yield path, text, apply_edits(path, text)
+    for path, ours in _test_files():
+        upstream = deepspeed_tree / path
+        if upstream.exists():
+            text = upstream.read_text()
+            yield path, text, extend_module(text, ours.read_text())
+        else:
+            yield path, None, ours.read_text()
 
 
 def diff(args):
@@ -79,7 +146,16 @@ def diff(args):
     if root is None:
         print("deepspeed is not installed", file=sys.stderr)
         return 1
-    for path, old, new in _patch(root):
+    tree = Path(args.deepspeed_tree) if args.deepspeed_tree else None
+    if tree is not None and not (tree / "tests" / "unit" / "common.py").exists():
+        print(f"{tree} is not a DeepSpeed git checkout (no tests/unit/common.py)", file=sys.stderr)
+        return 1
+    if tree is None:
+        print(
+            "deepspeed_qgz diff: without --deepspeed-tree, the hunks of the documentation and the tests "
+            "(which only DeepSpeed's git tree has) are left out",
+            file=sys.stderr)
+    for path, old, new in _patch(root, tree):
         paths = [path]
         if args.sdist and installed_path(path) != path:
             paths.append(installed_path(path))  # the source distribution's copy of a linked directory
@@ -111,6 +187,9 @@ def main(argv=None):
                              action="store_true",
                              help="also patch the copies DeepSpeed's source distribution ships of " +
                              ", ".join(dict(LINKED_DIRS)) + " (symbolic links in its git tree)")
+    diff_parser.add_argument("--deepspeed-tree",
+                             metavar="PATH",
+                             help="a DeepSpeed git checkout: also the hunks of its documentation and tests")
     diff_parser.set_defaults(run=diff)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -19,6 +19,16 @@ class Edit:
     new: str
     count: int = 1  # occurrences of `old` expected (all are replaced)
 
+    @property
+    def in_package(self) -> bool:
+        """Whether the file ships in an installed deepspeed package (and so in the overlay);
+        documentation exists only in DeepSpeed's git tree."""
+        return not self.path.startswith(TREE_ONLY)
+
+
+# Paths of DeepSpeed's git tree that its installed package does not have.
+TREE_ONLY = ("docs/", "tests/", "requirements/")
+
 
 class EditError(RuntimeError):
     pass
@@ -40,11 +50,126 @@ EDITS: Tuple[Edit, ...] = (
         '            return PinMemoryBuilder\n'
         '        elif class_name == "QuantizerBuilder":\n'
         '            return QuantizerBuilder\n'),
+
+    # ZeRO config keys for the quantized gradient reduce-scatter: the model validates them (the
+    # rules live in deepspeed/runtime/comm/quantized_layout.py), the engine hands them to stage 3,
+    # stage 3 to all_to_all_quant_reduce.
+    Edit("deepspeed/runtime/zero/config.py", "from pydantic import Field, model_validator\n",
+         "from pydantic import Field, field_validator, model_validator\n"),
+    Edit(
+        "deepspeed/runtime/zero/config.py", '    "zero_quantized_gradients": [true|false],\n',
+        '    "zero_quantized_gradients": [true|false],\n'
+        '    "zero_quantized_gradients_group_size": 136,\n'
+        '    "zero_quantized_gradients_intra_node_bits": [4|8],\n'),
+    Edit(
+        "deepspeed/runtime/zero/config.py", '    zero_quantized_gradients: bool = False\n'
+        '    """\n'
+        '    Boolean indicating whether to use quantized zero gradients\n'
+        '    for efficient all_2_all_reduce comm\n'
+        '    """\n', '    zero_quantized_gradients: bool = False\n'
+        '    """\n'
+        '    Boolean indicating whether to use quantized zero gradients\n'
+        '    for efficient all_2_all_reduce comm\n'
+        '    """\n'
+        '\n'
+        '    zero_quantized_gradients_group_size: int = 136\n'
+        '    """\n'
+        '    Largest quantization group of the quantized gradients (zero_quantized_gradients),\n'
+        '    in values: a multiple of 8 from 136 to 40960. Smaller groups follow the\n'
+        '    gradients more closely and send more scale bytes (4 per group).\n'
+        '    """\n'
+        '\n'
+        '    zero_quantized_gradients_intra_node_bits: int = 8\n'
+        '    """\n'
+        '    Precision of the quantized gradients (zero_quantized_gradients) exchanged\n'
+        '    between the ranks of a node: 8 or 4 bits. Between nodes they are always\n'
+        '    4 bits.\n'
+        '    """\n'
+        '\n'
+        '    @field_validator("zero_quantized_gradients_group_size")\n'
+        '    @classmethod\n'
+        '    def quantized_gradients_group_size_valid(cls, value):\n'
+        '        from deepspeed.runtime.comm.quantized_layout import resolve_group_size\n'
+        '        return resolve_group_size(value, "zero_quantized_gradients_group_size")\n'
+        '\n'
+        '    @field_validator("zero_quantized_gradients_intra_node_bits")\n'
+        '    @classmethod\n'
+        '    def quantized_gradients_intra_node_bits_valid(cls, value):\n'
+        '        from deepspeed.runtime.comm.quantized_layout import resolve_intra_node_bits\n'
+        '        return resolve_intra_node_bits(value, "zero_quantized_gradients_intra_node_bits")\n'),
+    Edit(
+        "deepspeed/runtime/engine.py",
+        "                    log_trace_cache_warnings=self.zero_log_trace_cache_warnings(),\n"
+        "                    enable_sanity_checks=self.is_sanity_checks_enabled(),\n",
+        "                    log_trace_cache_warnings=self.zero_log_trace_cache_warnings(),\n"
+        "                    zero_quantized_gradients_group_size=self.zero_quantized_gradients_group_size(),\n"
+        "                    zero_quantized_gradients_intra_node_bits=self.zero_quantized_gradients_intra_node_bits(),\n"
+        "                    enable_sanity_checks=self.is_sanity_checks_enabled(),\n"),
+    Edit(
+        "deepspeed/runtime/engine.py", "    def zero_quantized_gradients(self):\n"
+        "        return self._config.zero_config.zero_quantized_gradients\n",
+        "    def zero_quantized_gradients(self):\n"
+        "        return self._config.zero_config.zero_quantized_gradients\n"
+        "\n"
+        "    def zero_quantized_gradients_group_size(self):\n"
+        "        return self._config.zero_config.zero_quantized_gradients_group_size\n"
+        "\n"
+        "    def zero_quantized_gradients_intra_node_bits(self):\n"
+        "        return self._config.zero_config.zero_quantized_gradients_intra_node_bits\n"),
+    Edit(
+        "deepspeed/runtime/zero/stage3.py", "        zero_quantized_nontrainable_weights=False,\n",
+        "        zero_quantized_nontrainable_weights=False,\n"
+        "        zero_quantized_gradients_group_size=None,\n"
+        "        zero_quantized_gradients_intra_node_bits=None,\n"),
+    Edit(
+        "deepspeed/runtime/zero/stage3.py", "        self.all2all_process_group = all2all_process_group\n",
+        "        self.all2all_process_group = all2all_process_group\n"
+        "        self.zero_quantized_gradients_group_size = zero_quantized_gradients_group_size\n"
+        "        self.zero_quantized_gradients_intra_node_bits = zero_quantized_gradients_intra_node_bits\n"),
+    Edit(
+        "deepspeed/runtime/zero/stage3.py",
+        "            grad_partitions_for_rank = all_to_all_quant_reduce(full_grads_for_rank, self.all2all_process_group)\n",
+        "            grad_partitions_for_rank = all_to_all_quant_reduce(\n"
+        "                full_grads_for_rank,\n"
+        "                self.all2all_process_group,\n"
+        "                group_size=self.zero_quantized_gradients_group_size,\n"
+        "                intra_node_bits=self.zero_quantized_gradients_intra_node_bits)\n"),
+    Edit(
+        "docs/_pages/config-json.md", '    "zero_quantized_gradients": [true|false],\n',
+        '    "zero_quantized_gradients": [true|false],\n'
+        '    "zero_quantized_gradients_group_size": 136,\n'
+        '    "zero_quantized_gradients_intra_node_bits": [4|8],\n'),
+    Edit(
+        "docs/_pages/config-json.md",
+        "|Boolean indicating whether to enable communication efficient quantized gradients of ZeRO++. | `False`   |\n",
+        "|Boolean indicating whether to enable communication efficient quantized gradients of ZeRO++. | `False`   |\n"
+        "\n"
+        "***zero_quantized_gradients_group_size***: [integer]\n"
+        "\n"
+        "| Description | Default |\n"
+        "| ----------- | ------- |\n"
+        "| Largest quantization group of ZeRO++'s quantized gradients, in values: a multiple of 8 from 136 to "
+        "40960. Each rank's share of each gradient is padded to whole groups of one size per reduce-scatter call, "
+        "the size sending the fewest bytes up to this one; every group carries a 4-byte scale. Smaller groups "
+        "follow the gradients more closely. | `136` |\n"
+        "\n"
+        "***zero_quantized_gradients_intra_node_bits***: [integer]\n"
+        "\n"
+        "| Description | Default |\n"
+        "| ----------- | ------- |\n"
+        "| Precision of ZeRO++'s quantized gradients exchanged between the ranks of a node: `8` or `4` bits. The "
+        "node sums exchanged between nodes are always 4 bits, so 8 doubles the bytes sent inside the node, "
+        "not across nodes, and lowers the gradients' quantization error. | `8` |\n"),
+    # the new tests are property tests
+    Edit("requirements/requirements-dev.txt", "future\nimportlib-metadata>=4\n",
+         "future\nhypothesis\nimportlib-metadata>=4\n"),
 )
 
 
-def edited_paths() -> Tuple[str, ...]:
-    return tuple(sorted({edit.path for edit in EDITS}))
+def edited_paths(in_package: bool = True) -> Tuple[str, ...]:
+    """The DeepSpeed source-tree paths the patch edits: those in an installed package (what the
+    overlay edits at import), or with in_package False those only DeepSpeed's git tree has."""
+    return tuple(sorted({edit.path for edit in EDITS if edit.in_package == in_package}))
 
 
 def apply_edits(path: str, text: str) -> str:

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The in-tree route, as a maintainer takes the patch: DeepSpeed 0.19.8's source distribution,
 # `python -m deepspeed_qgz diff --sdist` applied with git apply, installed into a fresh virtual
-# environment without the overlay (deepspeed-qgz is installed there for its test harness only),
-# then this project's suite against DeepSpeed's own, patched files. DeepSpeed's git tree has
-# deepspeed/ops/op_builder, deepspeed/ops/csrc and deepspeed/accelerator as symbolic links to the
-# top-level directories; its source distribution ships copies, which --sdist patches too.
+# environment without the overlay (deepspeed-qgz is installed there for its command line only),
+# then the project's tests and the patch's DeepSpeed tests against DeepSpeed's own, patched files.
+# DeepSpeed's git tree has deepspeed/ops/op_builder, deepspeed/ops/csrc and deepspeed/accelerator as
+# symbolic links to the top-level directories; its source distribution ships copies, which --sdist
+# patches too. Its documentation and tests are not in the source distribution: their hunks need a
+# DeepSpeed checkout (scripts/deepspeed_tests.sh --deepspeed-tree).
 #   bash scripts/check_intree.sh [pytest arguments]
-# With QGZ_DEEPSPEED_TESTS=/path/to/a/DeepSpeed/checkout, DeepSpeed's own tests for this module run
-# against the patched DeepSpeed too (scripts/deepspeed_tests.sh).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
@@ -33,10 +33,8 @@ pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements-dev.txt" ni
 DS_QGZ_TOOLS_ONLY=1 pip install -q --no-deps "$ROOT"
 python -m deepspeed_qgz status
 cd "$WORK"
-say "in-tree: the suite against the patched DeepSpeed"
+say "in-tree: the project's tests against the patched DeepSpeed"
 QGZ_UPSTREAM_DEEPSPEED="$WORK/upstream/deepspeed-0.19.8" \
-    python -m pytest -p no:cacheprovider -q -rA --durations=5 "$ROOT/tests" "$@"
-if [ -n "${QGZ_DEEPSPEED_TESTS:-}" ]; then
-    say "in-tree: DeepSpeed's own tests for coalesced_collectives, from $QGZ_DEEPSPEED_TESTS"
-    bash "$ROOT/scripts/deepspeed_tests.sh" "$QGZ_DEEPSPEED_TESTS"
-fi
+    python -m pytest -p no:cacheprovider -q -rA --durations=5 "$ROOT/project_tests" "$@"
+say "in-tree: the patch's DeepSpeed tests against the patched DeepSpeed"
+bash "$ROOT/scripts/deepspeed_tests.sh" "$@"

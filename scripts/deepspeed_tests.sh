@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
-# DeepSpeed's own unit tests for coalesced_collectives, unmodified, against the installed package
-# (the overlay, or a DeepSpeed patched in-tree), on the CPU accelerator. DeepSpeed's source
-# distribution ships no tests: point this at a DeepSpeed git checkout.
-#   bash scripts/deepspeed_tests.sh /path/to/DeepSpeed [pytest arguments]
-# Each DistributedTest class runs its world on one node, so LOCAL_SIZE (the CPU accelerator's
-# device count) is set to the class's world size: 2, and 4 for TestAllToAllQuantReduceAverage.
+# The patch's DeepSpeed tests (this repository's tests/, at DeepSpeed's paths) against the installed
+# DeepSpeed (the overlay, or a DeepSpeed patched in-tree) on the CPU accelerator, run as DeepSpeed
+# runs its CPU tests: LOCAL_SIZE in the environment at least the largest world size (10).
+#   bash scripts/deepspeed_tests.sh [--deepspeed-tree PATH] [pytest arguments]
+# With --deepspeed-tree PATH (a DeepSpeed git checkout): a copy of its tests/ with the patch's test
+# hunks applied by git apply, run with DeepSpeed's own conftest.py, pytest.ini and unit/common.py;
+# DeepSpeed's own tests of the module run beside the new ones. Without: the repository's tests/
+# beside a stand-in for DeepSpeed's DistributedTest (project_tests/deepspeed_tests_stand_in),
+# which is how CI runs them (DeepSpeed's source distribution ships no tests).
 set -euo pipefail
-DS=$(cd "$1" && pwd)
-shift
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+TREE=
+if [ "${1:-}" = "--deepspeed-tree" ]; then
+    TREE=$(cd "$2" && pwd)
+    shift 2
+fi
+say() { echo "[$(date +%H:%M:%S)] $*"; }
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-for f in tests/conftest.py tests/pytest.ini tests/unit/common.py tests/unit/util.py \
-    tests/unit/runtime/comm/test_coalesced_collectives.py; do
-    mkdir -p "$WORK/$(dirname "$f")"
-    cp "$DS/$f" "$WORK/$f"
-done
-cd "$WORK/tests"
-TESTS=unit/runtime/comm/test_coalesced_collectives.py
-status=0
-LOCAL_SIZE=2 python -m pytest -p no:cacheprovider -rA -q "$TESTS" -k "not TestAllToAllQuantReduceAverage" "$@" || status=1
-if grep -q "class TestAllToAllQuantReduceAverage" "$TESTS"; then
-    LOCAL_SIZE=4 python -m pytest -p no:cacheprovider -rA -q "$TESTS" -k TestAllToAllQuantReduceAverage "$@" || status=1
+if [ -n "$TREE" ]; then
+    say "DeepSpeed tests: $TREE/tests with the patch's test hunks"
+    cp -r "$TREE/tests" "$WORK/tests"
+    python -m deepspeed_qgz diff --deepspeed-tree "$TREE" > "$WORK/qgz.patch"
+    (cd "$WORK" && git apply --include='tests/*' --whitespace=error-all qgz.patch)
+    mapfile -t FILES < <(grep '^+++ b/tests/.*/test_[^/]*\.py$' "$WORK/qgz.patch" | sed 's|^+++ b/tests/||')
+else
+    say "DeepSpeed tests: this repository's tests/ with a stand-in for DeepSpeed's DistributedTest"
+    cp -r "$ROOT/tests" "$WORK/tests"
+    cp -r "$ROOT/project_tests/deepspeed_tests_stand_in/." "$WORK/tests/"
+    mapfile -t FILES < <(cd "$WORK/tests" && find unit -name 'test_*.py' | sort)
 fi
-exit "$status"
+say "DeepSpeed tests: ${#FILES[@]} files, LOCAL_SIZE=10"
+cd "$WORK/tests"
+LOCAL_SIZE=10 python -m pytest -p no:cacheprovider -q -rA --durations=10 "${FILES[@]}" "$@"

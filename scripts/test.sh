@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The test suite, from a fresh machine (what .ci/run runs): set up the environment, build the CPU
-# quantizer op once, run DeepSpeed's linters, run pytest on the *installed* package (DeepSpeed
-# 0.19.8 with the overlay) from a directory outside the source tree, then the in-tree route
-# (scripts/check_intree.sh: the patch applied to DeepSpeed's source distribution, same suite).
-# Extra arguments go to both pytest runs.
+# quantizer op once, run DeepSpeed's linters, then against the *installed* package (DeepSpeed 0.19.8
+# with the overlay), from a directory outside the source tree: the project's own tests
+# (project_tests/) and the patch's DeepSpeed tests (tests/, scripts/deepspeed_tests.sh); then the
+# in-tree route (scripts/check_intree.sh: the patch applied to DeepSpeed's source distribution,
+# the same tests). Extra arguments go to every pytest run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
@@ -12,7 +13,9 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 (cd "$WORK" && python -m deepspeed_qgz status)
 bash "$ROOT/scripts/lint.sh"
-say "suite: DeepSpeed 0.19.8 with the overlay"
-(cd "$WORK" && python -m pytest -p no:cacheprovider -q -rA --durations=10 "$ROOT/tests" "$@")
+say "suite: DeepSpeed 0.19.8 with the overlay: the project's tests"
+(cd "$WORK" && python -m pytest -p no:cacheprovider -q -rA --durations=10 "$ROOT/project_tests" "$@")
+say "suite: DeepSpeed 0.19.8 with the overlay: the patch's DeepSpeed tests"
+(cd "$WORK" && bash "$ROOT/scripts/deepspeed_tests.sh" "$@")
 bash "$ROOT/scripts/check_intree.sh" "$@"
 say "all checks passed"

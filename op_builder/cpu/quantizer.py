@@ -34,7 +34,7 @@ class QuantizerBuilder(CPUOpBuilder):
 
     def deepspeed_src_path(self, code_path):
         # csrc/ sits two levels above this file both in DeepSpeed's source tree (op_builder/cpu/)
-        # and in an installed package (deepspeed/ops/op_builder/cpu/), including the qgZ overlay.
+        # and in an installed package (deepspeed/ops/op_builder/cpu/).
         if os.path.isabs(code_path):
             return code_path
         return os.path.join(Path(__file__).resolve().parents[2], code_path)

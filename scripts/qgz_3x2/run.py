@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deepspeed_qgz.harness import Progress, log, run_torchrun_nodes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from qgz_harness import Progress, log, run_torchrun_nodes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 NODES, PROCS_PER_NODE = 3, 2
@@ -32,7 +33,8 @@ def build_op():
 
 
 def run(config, steps, label="", timeout=900):
-    """Returns ({rank: [loss per step]}, rank 0's qgZ totals, the agents' combined output)."""
+    """Returns ({rank: [loss per step]}, rank 0's report (its reduce-scatter summary under "qgz",
+    the trained weights under "weights"), the agents' combined output)."""
     progress = Progress(steps, label) if label else None
 
     def on_output(line):
@@ -55,7 +57,17 @@ def run(config, steps, label="", timeout=900):
         raise RuntimeError(
             f"ranks {sorted(reports)} reported, expected all {NODES * PROCS_PER_NODE}:\n{output[-6000:]}")
     losses = {rank: reports[rank]["losses"] for rank in sorted(reports)}
-    return losses, reports[0]["qgz"], output
+    return losses, reports[0], output
+
+
+def mean_loss(losses, step):
+    return sum(rank_losses[step] for rank_losses in losses.values()) / len(losses)
+
+
+def relative_difference(weights, reference):
+    diff = sum((a - b)**2 for name in reference for a, b in zip(weights[name], reference[name]))
+    norm = sum(b**2 for name in reference for b in reference[name])
+    return math.sqrt(diff / norm)
 
 
 def main():
@@ -67,24 +79,34 @@ def main():
     build_op()
     runs = 2 if args.compare else 1
     log(f"run 1/{runs}: zero_quantized_gradients true, {NODES} torchrun agents x {PROCS_PER_NODE} processes")
-    qgz_losses, summary, _ = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ")
-    exact_losses = None
+    qgz_losses, qgz, _ = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ")
+    exact_losses = exact = None
     if args.compare:
         log(f"run 2/{runs}: zero_quantized_gradients false")
-        exact_losses = run(HERE / "ds_config_exact.json", args.steps, "qgZ off")[0]
-    print(f"{NODES} nodes x {PROCS_PER_NODE} processes, ZeRO-3, bf16, {args.steps} steps; rank 0 loss per step")
-    print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'rel diff':>8}" if exact_losses else ""))
-    for step, loss in enumerate(qgz_losses[0]):
+        exact_losses, exact, _ = run(HERE / "ds_config_exact.json", args.steps, "qgZ off")
+    print(f"{NODES} nodes x {PROCS_PER_NODE} processes, ZeRO-3, bf16, {args.steps} steps; loss per step, the mean "
+          f"over the {len(qgz_losses)} ranks")
+    print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'difference':>11}" if exact_losses else ""))
+    for step in range(args.steps):
+        loss = mean_loss(qgz_losses, step)
         line = f"{step:>4}  {loss:>10.6f}"
         if exact_losses:
-            ref = exact_losses[0][step]
-            line += f"  {ref:>10.6f}  {abs(loss - ref) / abs(ref):>8.2e}"
+            ref = mean_loss(exact_losses, step)
+            line += f"  {ref:>10.6f}  {loss - ref:>+11.6f}"
         print(line)
     finite = all(math.isfinite(loss) for losses in qgz_losses.values() for loss in losses)
     print(f"all {len(qgz_losses)} ranks finite: {finite}")
+    summary = qgz["qgz"]
     print(f"qgZ: {summary['calls']} calls, {summary['quantized_tensors']} tensors ({summary['quantized_elems']} "
           f"elements) quantized, {summary['padding_elems']} padding elements added, {summary['exact_tensors']} 1-D "
           f"tensors exact, {summary['collective_calls']} collective calls")
+    if exact:
+        print(f"trained weights, qgZ on against off: relative difference "
+              f"{relative_difference(qgz['weights'], exact['weights']):.2e}")
+        for where in ("inter", "intra"):
+            on = summary[f"{where}_node_bytes"] / args.steps
+            off = exact["qgz"][f"{where}_node_bytes"] / args.steps
+            print(f"{where}-node bytes per step and rank: qgZ on {on:.0f}, off {off:.0f} ({on / off:.3f}x)")
     return 0 if finite and summary["quantized_tensors"] > 0 else 1
 
 

@@ -5,7 +5,9 @@
 """The bug report's reproduction (train.py), unchanged in substance: a 32x32 linear model under
 ZeRO-3, run by three torchrun agents of two processes each. Two changes: the data takes the model's
 dtype (the report's config is fp16, which DeepSpeed's CPU accelerator refuses, so CPU runs use
-bf16), and --steps bounds the run. Rank 0 ends with a QGZ_SUMMARY line of what qgZ did."""
+bf16), and --steps bounds the run. Rank 0 ends with a QGZ_SUMMARY line of what the gradient
+reduce-scatter did; with --loss-dir every rank writes its losses and that summary, and rank 0 the
+trained weights."""
 
 import argparse
 import json
@@ -68,9 +70,13 @@ def main():
         model.step()
 
     from deepspeed.runtime.comm.coalesced_collectives import qgz_accounting
+    weights = model._zero3_consolidated_16bit_state_dict()  # a collective: every rank takes part
     if args.loss_dir:
+        report = {"losses": losses, "qgz": vars(qgz_accounting.totals), "steps": len(losses)}
+        if dist.get_rank() == 0:
+            report["weights"] = {name: tensor.float().reshape(-1).tolist() for name, tensor in weights.items()}
         with open(os.path.join(args.loss_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-            json.dump({"losses": losses, "qgz": vars(qgz_accounting.totals)}, f)
+            json.dump(report, f)
     if dist.get_rank() == 0:
         print("QGZ_SUMMARY " + json.dumps(vars(qgz_accounting.totals)), flush=True)
     # A clean shutdown: ranks that exit with their process group still up can abort in its

@@ -484,7 +484,7 @@ std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
                 for (int64_t device = 0; device < local_world_size; ++device) {
                     // Device j's parameters start j * groups_per_tensor floats in, whatever their
                     // width: for asymmetric pairs that reads shifted pairs past device 0, as the
-                    // CUDA kernel does (upstream defect, reproduced; qgZ is symmetric).
+                    // CUDA kernel does (a defect of the kernel, reproduced; qgZ is symmetric).
                     const float* device_params =
                         scales + device * groups_per_tensor + in_group * param_width(type);
                     accumulate_block(src + device * bytes_per_tensor + offset,

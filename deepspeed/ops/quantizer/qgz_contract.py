@@ -14,11 +14,12 @@ index arithmetic in ``int`` wraps, and the bindings reinterpret whatever memory 
 (``data_ptr`` cast to the type they expect, whatever the tensor's dtype or device).
 
 This module is the one place those assumptions, the kernels' launch geometry and their swizzle
-order are written down. ``ContractCheckedQuantizer`` refuses any call that breaks them before the
-op runs; the CPU op refuses the same calls itself (its launch geometry is tested against this
-module for every group size the contract allows) and so does the pure-PyTorch reference. The qgZ
-layout (deepspeed/runtime/comm/quantized_layout.py) satisfies them by construction, which its
-property test checks against the functions below.
+order are written down. ``ContractCheckedQuantizer``, through which qgZ calls the op, refuses any
+call that breaks them before the op runs, and so does the pure-PyTorch reference. The CPU op
+checks only what keeps its own memory accesses in bounds, and the warp rule (its copy of the
+launch geometry is tested against this module for every group size the contract allows). The qgZ
+layout (deepspeed/runtime/comm/quantized_layout.py) satisfies the contract by construction, which
+its property test checks against the functions below.
 
 The CUDA binding names the topology arguments ``nodes`` and ``devices_per_node``; here, as in the
 rest of qgZ, they are ``num_nodes`` and ``local_world_size``.

@@ -8,7 +8,7 @@ A readable pure-PyTorch statement of what the qgZ quantizer kernels compute, bit
 Same signatures, argument meanings, output shapes and dtypes as the CUDA binding
 (csrc/quantization/pt_binding.cpp): ``swizzle_quant``, ``quantized_reduction``, ``dequantize`` and
 ``dequantize_fp32``. The CPU op (csrc/cpu/quantization/quantizer.cpp) is tested against this module,
-and scripts/gpu_check.sh tests the CUDA kernels against it. It runs on any device.
+bit for bit; so can the CUDA kernels be. It runs on any device.
 
 Numerics, as the kernels define them:
 
@@ -31,7 +31,8 @@ on the kernels for it.
 
 Where the CUDA build may differ: it is compiled with ``--use_fast_math``, so ``2**bits / (2 * max)``
 and ``1 / scale`` use approximate division (within 2 ulp) and fp32 subnormals flush to zero. This
-module and the CPU op use IEEE division; scripts/gpu_check.sh measures whether that ever shows.
+module and the CPU op use IEEE division: the two can differ in a scale's last bit, and then in a
+code whose value sits on a rounding tie.
 """
 
 import torch
@@ -160,8 +161,8 @@ def quantized_reduction_beyond_contract(data: torch.Tensor, scales: torch.Tensor
                                         num_bits: int, quant_type, local_world_size: int):
     """quantized_reduction without the contract checks, for sizes the contract refuses only because
     the kernel would reduce with fewer threads than a warp: what the kernel computes when its
-    shuffles happen to read nothing stale. For studying code that launches such sizes (DeepSpeed
-    0.19.8's grouping rule), never for qgZ itself."""
+    shuffles happen to read nothing stale. For studying callers that launch such sizes (grouping
+    rules that do not meet the warp rule), never for qgZ itself."""
     asymmetric = _is_asymmetric(quant_type)
     per_byte = contract.values_per_byte(num_bits)
     bytes_per_tensor = data.numel() // local_world_size
@@ -175,8 +176,8 @@ def quantized_reduction_beyond_contract(data: torch.Tensor, scales: torch.Tensor
         chunk = data.reshape(-1)[device * bytes_per_tensor:(device + 1) * bytes_per_tensor]
         codes = _unpack(chunk, num_bits).reshape(groups_per_tensor, -1)
         # The kernel offsets device j's parameters by j * groups_per_tensor floats whatever their
-        # width, so for asymmetric parameters devices past the first read shifted pairs (upstream
-        # defect, reproduced: qgZ itself is symmetric).
+        # width, so for asymmetric parameters devices past the first read shifted pairs (a defect of
+        # the kernel, reproduced: qgZ itself is symmetric).
         base = device * groups_per_tensor
         params = flat_params[base:base + groups_per_tensor * width].reshape(groups_per_tensor, width)
         values = _dequantize_rows(codes, params, asymmetric).half().reshape(-1)

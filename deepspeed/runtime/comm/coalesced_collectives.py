@@ -49,8 +49,12 @@ def _get_quantizer_module():
 
 @dataclass
 class QuantizedReduceStats:
-    """What all_to_all_quant_reduce did: per call in ``last_call``, summed over calls in ``totals``."""
+    """What the gradient reduce-scatters of this module did: all_to_all_quant_reduce's calls
+    (``calls``; their 1-D tensors go through the exact path) and reduce_scatter_coalesced's own
+    calls (``reduce_scatter_calls``), with the bytes each rank sent to the other ranks of its node
+    and to other nodes. Per call in ``qgz_accounting.last_call``, summed in ``qgz_accounting.totals``."""
     calls: int = 0
+    reduce_scatter_calls: int = 0
     quantized_tensors: int = 0
     quantized_elems: int = 0
     padding_elems: int = 0
@@ -73,6 +77,10 @@ class _QuantizedReduceAccounting:
 
     def reset(self):
         self.__init__()
+
+    def record(self, stats: QuantizedReduceStats) -> None:
+        self.last_call = stats
+        self.totals.add(stats)
 
 
 qgz_accounting = _QuantizedReduceAccounting()
@@ -177,17 +185,10 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
     outputs: List[Tensor] = [t.new_empty(0) if t.numel() == 0 else None for t in tensors]
     stats = QuantizedReduceStats(calls=1)
     if exact:
-        for i, output in zip(exact, reduce_scatter_coalesced([tensors[i] for i in exact])):
+        exact_tensors = [tensors[i] for i in exact]
+        for i, output in zip(exact, _reduce_scatter_coalesced(exact_tensors)):
             outputs[i] = output
-        world_size = dist.get_world_size()
-        local_world_size = get_accelerator().device_count()
-        stats.exact_tensors = len(exact)
-        stats.exact_elems = sum(tensors[i].numel() for i in exact)
-        stats.collective_calls += 1
-        # one partition-sized share to each other rank
-        share = sum(math.ceil(tensors[i].numel() / world_size) for i in exact) * tensors[0].element_size()
-        stats.intra_node_bytes += (min(local_world_size, world_size) - 1) * share
-        stats.inter_node_bytes += max(0, world_size - local_world_size) * share
+        stats.add(_reduce_scatter_stats(exact_tensors, None))
     if quantized:
         for start, layout in plan:
             run = quantized[start:start + len(layout.tensors)]
@@ -204,11 +205,24 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
             stats.intra_node_bytes += layout.intra_node_bytes
             stats.inter_node_bytes += layout.inter_node_bytes
 
-    qgz_accounting.last_call = stats
-    qgz_accounting.totals.add(stats)
+    qgz_accounting.record(stats)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(f"all_to_all_quant_reduce: {stats}")
     return outputs
+
+
+def _reduce_scatter_stats(tensors: List[Tensor], group: Optional[ProcessGroup]) -> QuantizedReduceStats:
+    """The exact reduce-scatter of `tensors` over `group`: one collective in which each rank sends
+    a partition-sized share to every other rank of the group, inside its node or across."""
+    ranks = torch.distributed.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    local_world_size, rank = get_accelerator().device_count(), dist.get_rank()
+    same_node = sum(1 for other in ranks if other // local_world_size == rank // local_world_size)
+    share = sum(math.ceil(t.numel() / len(ranks)) for t in tensors) * tensors[0].element_size()
+    return QuantizedReduceStats(exact_tensors=len(tensors),
+                                exact_elems=sum(t.numel() for t in tensors),
+                                collective_calls=1,
+                                intra_node_bytes=(same_node - 1) * share,
+                                inter_node_bytes=(len(ranks) - same_node) * share)
 
 
 @instrument_w_nvtx
@@ -229,6 +243,14 @@ def reduce_scatter_coalesced(
     """
     if not tensors:
         return []
+    outputs = _reduce_scatter_coalesced(tensors, group)
+    stats = _reduce_scatter_stats(tensors, group)
+    stats.reduce_scatter_calls = 1
+    qgz_accounting.record(stats)
+    return outputs
+
+
+def _reduce_scatter_coalesced(tensors: List[Tensor], group: Optional[ProcessGroup] = None) -> List[Tensor]:
     _check_tensors(tensors, "reduce_scatter_coalesced")
     this_rank = dist.get_rank(group)
     world_sz = dist.get_world_size(group)

@@ -51,7 +51,6 @@ worth of a group, so the two formats have different numbers of scale groups.
 """
 
 import math
-import os
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import List, Optional, Tuple
@@ -63,53 +62,44 @@ from deepspeed.ops.quantizer.qgz_contract import SWIZZLE_MAX_GROUP_ELEMS, VECTOR
 # The inter-node exchange always carries int4 codes; the intra-node exchange int4 or int8.
 INTER_NODE_BITS = 4
 INTRA_NODE_BITS = (4, 8)
-DEFAULT_INTRA_NODE_BITS = 4
+DEFAULT_INTRA_NODE_BITS = 8
 SCALE_BYTES = 4
 
 # The smallest group quantized_reduction reduces with a whole warp (see the module docstring).
 MIN_GROUP_SIZE = reduce_min_out_group_elems(INTER_NODE_BITS)
-# The largest quantization group, in values, unless the caller or DS_QGZ_GROUP_SIZE says otherwise.
+# The largest quantization group, in values, and the intra-node precision, unless the caller (the
+# ZeRO config keys zero_quantized_gradients_group_size and _intra_node_bits) says otherwise.
 DEFAULT_GROUP_SIZE = MIN_GROUP_SIZE
-GROUP_SIZE_ENV = "DS_QGZ_GROUP_SIZE"
 
 
-def resolve_group_size(group_size: Optional[int] = None) -> int:
-    """The largest quantization group for a call: `group_size` if given, else the environment
-    variable DS_QGZ_GROUP_SIZE if set, else DEFAULT_GROUP_SIZE.
+def resolve_group_size(group_size: Optional[int] = None, name: str = "group_size") -> int:
+    """The largest quantization group for a call: `group_size`, or DEFAULT_GROUP_SIZE if None.
 
     Raises:
-        ValueError: the value is not a multiple of 8 between MIN_GROUP_SIZE and 40960 (the
-            kernels' vector width, a warp of quantized_reduction threads, swizzle_quant's largest
-            launch), or the environment variable is not an integer.
+        ValueError: the value (named `name` in the message) is not a multiple of 8 between
+            MIN_GROUP_SIZE and 40960: the kernels' vector width, a warp of quantized_reduction
+            threads, swizzle_quant's largest launch.
     """
-    source = "group_size"
     if group_size is None:
-        text = os.environ.get(GROUP_SIZE_ENV)
-        if text is None:
-            return DEFAULT_GROUP_SIZE
-        source = GROUP_SIZE_ENV
-        try:
-            group_size = int(text)
-        except ValueError:
-            raise ValueError(f"{GROUP_SIZE_ENV}={text!r} is not an integer") from None
-    if not (MIN_GROUP_SIZE <= group_size <= SWIZZLE_MAX_GROUP_ELEMS and group_size % VECTOR_ELEMS == 0):
-        raise ValueError(f"{source} {group_size} must be a multiple of {VECTOR_ELEMS} between {MIN_GROUP_SIZE} and "
+        return DEFAULT_GROUP_SIZE
+    if not (isinstance(group_size, int) and MIN_GROUP_SIZE <= group_size <= SWIZZLE_MAX_GROUP_ELEMS
+            and group_size % VECTOR_ELEMS == 0):
+        raise ValueError(f"{name} {group_size!r} must be a multiple of {VECTOR_ELEMS} between {MIN_GROUP_SIZE} and "
                          f"{SWIZZLE_MAX_GROUP_ELEMS} (the kernels' vector width, the smallest group "
                          f"quantized_reduction reduces with a whole warp, swizzle_quant's largest group)")
     return group_size
 
 
-def resolve_intra_node_bits(intra_node_bits: Optional[int] = None) -> int:
-    """The precision of the intra-node exchange: `intra_node_bits` if given, else
-    DEFAULT_INTRA_NODE_BITS.
+def resolve_intra_node_bits(intra_node_bits: Optional[int] = None, name: str = "intra_node_bits") -> int:
+    """The precision of the intra-node exchange: `intra_node_bits`, or DEFAULT_INTRA_NODE_BITS if None.
 
     Raises:
-        ValueError: the value is not one of INTRA_NODE_BITS.
+        ValueError: the value (named `name` in the message) is not one of INTRA_NODE_BITS.
     """
     if intra_node_bits is None:
         return DEFAULT_INTRA_NODE_BITS
-    if intra_node_bits not in INTRA_NODE_BITS:
-        raise ValueError(f"intra_node_bits {intra_node_bits!r} must be one of {INTRA_NODE_BITS}")
+    if intra_node_bits not in INTRA_NODE_BITS or not isinstance(intra_node_bits, int):
+        raise ValueError(f"{name} {intra_node_bits!r} must be one of {INTRA_NODE_BITS}")
     return intra_node_bits
 
 

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from deepspeed.ops.quantizer import qgz_contract as contract
-from deepspeed.runtime.comm.quantized_layout import (DEFAULT_GROUP_SIZE, GROUP_SIZE_ENV, INTER_NODE_BITS,
-                                                     MIN_GROUP_SIZE, SCALE_BYTES, quantized_reduce_layout,
-                                                     resolve_group_size, resolve_intra_node_bits)
+from deepspeed.runtime.comm.quantized_layout import (DEFAULT_GROUP_SIZE, INTER_NODE_BITS, MIN_GROUP_SIZE, SCALE_BYTES,
+                                                     quantized_reduce_layout, resolve_group_size,
+                                                     resolve_intra_node_bits)
 from deepspeed.runtime.comm.quantized_pipeline import planned_kernel_calls, quantized_reduce_plan
 
 numels = st.lists(st.integers(min_value=1, max_value=5_000_000), min_size=1, max_size=6)
@@ -134,18 +134,14 @@ def test_accessors_refuse_buffers_of_another_layout(bits):
         layout.partition(padded, 0, 6)
 
 
-def test_group_size_setting(monkeypatch):
-    monkeypatch.delenv(GROUP_SIZE_ENV, raising=False)
+def test_group_size_setting():
     assert resolve_group_size() == DEFAULT_GROUP_SIZE == MIN_GROUP_SIZE and resolve_group_size(256) == 256
-    monkeypatch.setenv(GROUP_SIZE_ENV, "512")
-    assert resolve_group_size() == 512 and resolve_group_size(144) == 144
-    monkeypatch.setenv(GROUP_SIZE_ENV, "big")
-    with pytest.raises(ValueError, match="DS_QGZ_GROUP_SIZE='big' is not an integer"):
-        resolve_group_size()
     # 128 and below: quantized_reduction would reduce them with fewer threads than a warp
-    for bad in (0, 100, 128, 40968):
+    for bad in (0, 100, 128, 40968, 136.0):
         with pytest.raises(ValueError, match=f"group_size {bad} must be a multiple of 8 between 136 and 40960"):
             resolve_group_size(bad)
+    with pytest.raises(ValueError, match="my_key 7 must be"):
+        resolve_group_size(7, "my_key")
 
 
 def test_intra_node_bits_setting():

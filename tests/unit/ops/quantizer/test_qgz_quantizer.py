@@ -2,7 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The CPU quantizer op against the PyTorch reference of the CUDA kernels, bit for bit."""
+"""The CPU accelerator's quantizer op (swizzle_quant, quantized_reduction, dequantize) against the
+PyTorch statement of the CUDA kernels (deepspeed/ops/quantizer/qgz_reference.py), bit for bit, and
+the kernel contract both enforce."""
 
 import math
 
@@ -10,9 +12,20 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
+from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.quantizer import qgz_contract as contract
 from deepspeed.ops.quantizer import qgz_reference as ref
-from deepspeed_qgz.harness import same_bits
+
+from unit.qgz_util import quantizer, same_bits
+
+pytestmark = pytest.mark.skipif(get_accelerator().device_name() != "cpu",
+                                reason="tests the CPU accelerator's quantizer op")
+
+
+@pytest.fixture(scope="module")
+def cpu_quantizer():
+    return quantizer()
+
 
 SPECIALS = [0.0, -0.0, 65504.0, -65504.0, 6e-8, -6e-8, 1e-4, float("inf"), float("-inf"), float("nan")]
 

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 import deepspeed_qgz
-from deepspeed_qgz.harness import free_port, overlay_active
+from qgz_harness import free_port, overlay_active
 
 pytestmark = pytest.mark.skipif(not overlay_active(), reason="DeepSpeed is patched in-tree: no overlay installed")
 

@@ -2,29 +2,32 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The suite tests the installed package, never this source tree: run it from another directory
-(see README / .ci/run). The code under test is either DeepSpeed 0.19.8 with the deepspeed-qgz
-overlay, or a DeepSpeed patched in-tree with `python -m deepspeed_qgz diff` (scripts/check_intree.sh;
-there deepspeed_qgz is installed for its tools only)."""
+"""The project's own tests: what only the overlay, this repository's scripts and benchmarks, and the
+comparison with unpatched DeepSpeed need (the patch's own tests are DeepSpeed's, under tests/).
+They test the installed package, never this source tree: run them from another directory (see
+README / .ci/run). The code under test is DeepSpeed 0.19.8 with the deepspeed-qgz overlay, or a
+DeepSpeed patched in-tree with `python -m deepspeed_qgz diff` (scripts/check_intree.sh)."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # qgz_harness
 
 # CI runs the same examples every time (a failure found there reproduces); elsewhere hypothesis explores.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-SOURCE_TREE = Path(__file__).resolve().parents[1]
-
 
 def pytest_configure(config):
     import deepspeed
     origin = getattr(deepspeed, "__file__", None)
-    if origin is None or Path(origin).resolve().parent == (SOURCE_TREE / "deepspeed").resolve():
+    if origin is None or Path(origin).resolve().parent == (ROOT / "deepspeed").resolve():
         raise pytest.UsageError("deepspeed was imported from the source tree; run the suite from another directory")
 
 
@@ -41,6 +44,6 @@ def cpu_quantizer():
 def code_under_test():
     """"overlay" or "in-tree", and the coalesced_collectives file every process must be running."""
     import importlib.util
-    from deepspeed_qgz.harness import overlay_active
+    from qgz_harness import overlay_active
     origin = importlib.util.find_spec("deepspeed.runtime.comm.coalesced_collectives").origin
     return ("overlay" if overlay_active() else "in-tree"), origin

@@ -156,8 +156,10 @@ def run_torchrun_nodes(script: Sequence[str],
             log(f"warning: torchrun agents exited with codes {codes} after their workers finished "
                 f"(their store went away during the exit barrier, pytorch/pytorch#69520)")
             return output
+        # the workers' own errors (torchrun prefixes their lines with [rankN]) before the agents' tails
+        workers = "\n".join([line for line in output.splitlines() if line.startswith("[rank")][-60:])
         raise RuntimeError(f"{' '.join(script)} failed (agent exit codes {codes}; a negative code is a kill, "
-                           f"e.g. after the {timeout:.0f} s timeout):\n{output[-6000:]}")
+                           f"e.g. after the {timeout:.0f} s timeout):\n{workers}\n...\n{output[-3000:]}")
     return output
 
 
@@ -193,7 +195,7 @@ class Progress:
 
 
 def overlay_active() -> bool:
-    from ._finder import overlay_state
+    from deepspeed_qgz._finder import overlay_state
     return overlay_state()[0]
 
 

@@ -1,0 +1,146 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""What one step's gradient synchronization of LLaMA-2-7B costs on a GPU cluster, modeled: the fp16
+reduce-scatter against qgZ with int4 inside the node (4/4) and with int8 inside the node (8/4).
+
+Compute: every reduce-scatter call's dispatched ops and quantizer kernels (a launch each) and the
+bytes they read and write per gradient element, as benchmarks/qgz_collectives.py counted them on its
+odd transformer-block bucket (one call per ZeRO-3 reduce bucket). Network: the bytes each rank
+sends inside its node and to other nodes, from the qgZ layout of each bucket (quantized_layout.py)
+and, for the reduce-scatter, NCCL's ring (each rank moves (W - 1) / W of the bucket; D rings, each
+crossing the network through its own NIC, so the ring runs at min(NVLink, D x NIC) per GPU). The
+qgZ stages and their two all-to-alls run one after the other; nothing overlaps.
+
+    python benchmarks/qgz_sync_model.py [--counts benchmarks/results/qgz_collectives.json] [--out DIR]
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# Assumptions (stated in the output).
+LAUNCH_S = 5e-6  # per dispatched op or kernel
+HBM_BPS = 3.3e12  # H100/H200-class
+NVLINK_BPS = 450e9  # per GPU and direction
+LATENCY_S = 20e-6  # per collective
+NETWORKS = {"8 x 400 Gb/s NICs per node": 400e9 / 8, "8 x 100 Gb/s NICs per node": 100e9 / 8}  # per GPU
+REDUCE_BUCKET = 500_000_000  # ZeRO-3's default reduce_bucket_size, elements
+TOPOLOGIES = [(3, 8), (4, 8)]
+COUNTED_BUCKET = "block-515 (odd)"
+DTYPE = "bf16"
+METHODS = {"fp16 reduce-scatter": "rs", "qgZ 4/4": "qgz-4/4", "qgZ 8/4": "qgz-8/4"}
+
+
+def llama2_7b():
+    h, ffn, vocab = 4096, 11008, 32000
+    layer = [(h, h)] * 4 + [(ffn, h)] * 2 + [(h, ffn)] + [(h, )] * 2
+    return [(vocab, h)] + layer * 32 + [(h, ), (vocab, h)]
+
+
+def buckets(shapes):
+    """ZeRO-3's reduce buckets: consecutive gradients up to REDUCE_BUCKET elements."""
+    out, current, size = [], [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if current and size + numel > REDUCE_BUCKET:
+            out.append(current)
+            current, size = [], 0
+        current.append(shape)
+        size += numel
+    return out + ([current] if current else [])
+
+
+def network_bytes(method, bucket, num_nodes, local_world_size):
+    """(bytes each rank sends inside its node, to other nodes) for one call; 2-byte elements."""
+    from deepspeed.runtime.comm.quantized_layout import DEFAULT_GROUP_SIZE
+    from deepspeed.runtime.comm.quantized_pipeline import quantized_reduce_plan
+    world = num_nodes * local_world_size
+    elems = sum(math.prod(s) for s in bucket)
+    if method == "rs":
+        return (world - 1) / world * elems * 2, 0.0  # the ring: see ring_seconds
+    flat = [math.prod(s) for s in bucket if len(s) == 1]
+    share = sum(math.ceil(n / world) for n in flat) * 2
+    intra, inter = (local_world_size - 1) * share, (world - local_world_size) * share
+    bits = 4 if method == "qgz-4/4" else 8
+    plan = quantized_reduce_plan(tuple(math.prod(s) for s in bucket if len(s) > 1), num_nodes, local_world_size,
+                                 DEFAULT_GROUP_SIZE, bits)
+    for _, layout in plan:
+        intra += layout.intra_node_bytes
+        inter += layout.inter_node_bytes
+    return intra, inter
+
+
+def model(counts, nic_bps, num_nodes, local_world_size):
+    rows = {}
+    for label, method in METHODS.items():
+        row = counts[method]
+        compute = network = 0.0
+        intra_total = inter_total = 0.0
+        for bucket in buckets(llama2_7b()):
+            elems = sum(math.prod(s) for s in bucket)
+            compute += (row["ops"] + row["kernel_calls"]) * LAUNCH_S + row["bytes"] / row["elems"] * elems / HBM_BPS
+            intra, inter = network_bytes(method, bucket, num_nodes, local_world_size)
+            intra_total, inter_total = intra_total + intra, inter_total + inter
+            if method == "rs":
+                network += LATENCY_S + intra / min(NVLINK_BPS, local_world_size * nic_bps)
+            else:
+                network += 2 * LATENCY_S + intra / NVLINK_BPS + inter / nic_bps
+        rows[label] = {
+            "compute_ms": compute * 1e3,
+            "network_ms": network * 1e3,
+            "total_ms": (compute + network) * 1e3,
+            "intra_gb": intra_total / 1e9,
+            "inter_gb": inter_total / 1e9
+        }
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--counts", default=str(HERE / "results" / "qgz_collectives.json"))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = json.loads(Path(args.counts).read_text())["results"]
+    counts = {r["method"]: r for r in results if r["bucket"] == COUNTED_BUCKET and r["dtype"] == DTYPE}
+    params = sum(math.prod(s) for s in llama2_7b())
+    lines = [
+        f"LLaMA-2-7B ({params / 1e9:.2f}B gradient elements, {len(buckets(llama2_7b()))} reduce buckets of at most "
+        f"{REDUCE_BUCKET / 1e6:.0f}M), {DTYPE} gradients, one step's gradient synchronization per GPU. Assumed: "
+        f"{LAUNCH_S * 1e6:.0f} us per launch, HBM {HBM_BPS / 1e12:.1f} TB/s, NVLink {NVLINK_BPS / 1e9:.0f} GB/s per "
+        f"GPU and direction, {LATENCY_S * 1e6:.0f} us per collective, one NIC per GPU; ops, kernels and bytes "
+        f"touched per element as counted on the '{COUNTED_BUCKET}' bucket; the fp16 reduce-scatter as NCCL's ring "
+        "at min(NVLink, 8 NICs) per GPU (its inter-node bytes are not a separate phase); qgZ's phases in sequence.",
+        "", "| network | nodes x GPUs | method | compute ms | network ms | total ms | vs reduce-scatter | "
+        "GB each GPU sends inside its node | GB each GPU sends to other nodes |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|"
+    ]
+    table = {}
+    for network, nic_bps in NETWORKS.items():
+        for num_nodes, local_world_size in TOPOLOGIES:
+            rows = model(counts, nic_bps, num_nodes, local_world_size)
+            table[f"{network}/{num_nodes}x{local_world_size}"] = rows
+            base = rows["fp16 reduce-scatter"]["total_ms"]
+            for label, row in rows.items():
+                ring = label == "fp16 reduce-scatter"
+                sent = (f"{row['intra_gb']:.2f} in the ring, both |  "
+                        if ring else f"{row['intra_gb']:.2f} | {row['inter_gb']:.2f}")
+                lines.append(f"| {network} | {num_nodes}x{local_world_size} | {label} | {row['compute_ms']:.1f} | "
+                             f"{row['network_ms']:.1f} | {row['total_ms']:.1f} | {row['total_ms'] / base:.2f}x | "
+                             f"{sent} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "qgz_sync_model.md").write_text(text + "\n")
+        (Path(args.out) / "qgz_sync_model.json").write_text(json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

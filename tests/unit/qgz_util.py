@@ -1,0 +1,118 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Helpers for the tests of the quantized gradient reduce-scatter (ZeRO++ qgZ)."""
+
+import contextlib
+import functools
+import math
+import os
+
+import torch
+
+from deepspeed.accelerator import get_accelerator
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+INTRA_NODE_BITS = (4, 8)
+# Per-element bound on |result - exact average|, as a multiple of (1 / world) x the sum over ranks
+# of the rank's absmax over the partition: an int4 stage errs by at most absmax / 8 per value (the
+# absmax itself clamped from code 8 to 7), and there are two (the second on node sums).
+ERROR_BOUND = 0.3
+# Root-mean-square error relative to the exact average's, for inputs whose ranks share a signal;
+# a partition delivered to the wrong rank or a wrong divisor gives about 1 or more.
+RMS_BOUND = 0.2
+
+
+def device():
+    return get_accelerator().current_device_name()
+
+
+@functools.lru_cache(maxsize=None)
+def quantizer():
+    """The accelerator's QuantizerBuilder op (the CPU op on the CPU accelerator) behind the
+    kernel-contract checks, as all_to_all_quant_reduce uses it."""
+    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+    return ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load())
+
+
+def same_bits(a, b):
+    """Same dtype, shape and bytes (NaN payloads and signed zeros included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().cpu().contiguous().view(torch.uint8),
+                       b.detach().cpu().contiguous().view(torch.uint8))
+
+
+def cluster_inputs(shapes, world, dtype, seed, magnitudes=None):
+    """Every rank's tensors (on the CPU): a shared signal plus rank-specific noise, tensor i
+    scaled by magnitudes[i]. Every rank of a real world builds all of them from the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = magnitudes or [1.0] * len(shapes)
+    signals = [torch.randn(shape, generator=gen, dtype=torch.float64) * m for shape, m in zip(shapes, magnitudes)]
+    return [[(s + 0.25 * torch.randn(s.shape, generator=gen, dtype=torch.float64) * m).to(dtype)
+             for s, m in zip(signals, magnitudes)] for _ in range(world)]
+
+
+def partition_bounds(numel, world, rank):
+    chunk = math.ceil(numel / world)
+    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+
+
+def check_against_average(inputs, outputs, rank, exact_indices=(), rms_bound=None):
+    """Problems (a list of strings) with `rank`'s results against reduce_scatter_coalesced's
+    contract: its partition of each tensor, the tensor's dtype, within the quantization error of
+    the exact average in that tensor's own magnitude (tensors in `exact_indices`: within the
+    dtype's rounding), and, with `rms_bound`, a relative RMS error below it."""
+    world, problems = len(inputs), []
+    for i, out in enumerate(outputs):
+        tensor = inputs[rank][i]
+        lo, hi = partition_bounds(tensor.numel(), world, rank)
+        if out.shape != (hi - lo, ) or out.dtype != tensor.dtype:
+            problems.append(f"[{i}]: shape {tuple(out.shape)} {out.dtype}, expected ({hi - lo},) {tensor.dtype}")
+            continue
+        if hi == lo:
+            continue
+        parts = [inputs[r][i].reshape(-1)[lo:hi].cpu().double() for r in range(world)]
+        exact = torch.stack(parts).mean(0)
+        got = out.detach().cpu().double()
+        if not torch.isfinite(got).all():
+            problems.append(f"[{i}]: non-finite output")
+            continue
+        if i in exact_indices:
+            bound = 2**-6 * sum(p.abs() for p in parts) / world + 1e-30
+        else:
+            bound = ERROR_BOUND * sum(p.abs().max() for p in parts) / world + exact.abs() * 2**-7 + 1e-30
+        err = (got - exact).abs()
+        if (err > bound).any():
+            j = int((err - bound).argmax())
+            problems.append(f"[{i}]: |err| {float(err[j]):.3g} > bound {float(bound[j]):.3g} at {lo + j} "
+                            f"(got {float(got[j]):.6g}, exact {float(exact[j]):.6g})")
+        if rms_bound is not None and i not in exact_indices and exact.numel() >= 64:
+            rel = float(err.pow(2).mean().sqrt() / exact.pow(2).mean().sqrt())
+            if rel > rms_bound:
+                problems.append(f"[{i}]: relative rms error {rel:.3f} > {rms_bound}")
+    return problems
+
+
+@contextlib.contextmanager
+def simulated_nodes(local_size):
+    """Inside: the accelerator reports `local_size` devices per node, so the processes of a test's
+    world form nodes of that many ranks (LOCAL_SIZE on the CPU accelerator, the device count
+    elsewhere). Yields the qgZ groups of that topology, built afresh."""
+    from deepspeed.utils import groups
+    accelerator = get_accelerator()
+    saved = os.environ.get("LOCAL_SIZE")
+    os.environ["LOCAL_SIZE"] = str(local_size)
+    patched = accelerator.device_name() != "cpu"
+    if patched:
+        accelerator.device_count = lambda: local_size
+    try:
+        yield dict(groups._get_local_all_to_all_group())
+    finally:
+        if patched:
+            del accelerator.device_count
+        if saved is None:
+            os.environ.pop("LOCAL_SIZE", None)
+        else:
+            os.environ["LOCAL_SIZE"] = saved

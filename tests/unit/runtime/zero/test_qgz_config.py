@@ -1,0 +1,113 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The ZeRO config keys of the quantized gradient reduce-scatter (zero_quantized_gradients)."""
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.comm import quantized_layout
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+from unit.common import DistributedTest
+from unit.qgz_util import simulated_nodes
+
+KEYS = {"zero_quantized_gradients_group_size": 256, "zero_quantized_gradients_intra_node_bits": 4}
+
+
+def test_defaults_are_the_layouts():
+    config = DeepSpeedZeroConfig(stage=3, zero_quantized_gradients=True)
+    assert config.zero_quantized_gradients_group_size == quantized_layout.DEFAULT_GROUP_SIZE
+    assert config.zero_quantized_gradients_intra_node_bits == quantized_layout.DEFAULT_INTRA_NODE_BITS
+    assert DeepSpeedZeroConfig(stage=3, **KEYS).zero_quantized_gradients_group_size == 256
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("zero_quantized_gradients_group_size", 128, "a multiple of 8 between 136 and 40960"),
+    ("zero_quantized_gradients_group_size", 300, "a multiple of 8 between 136 and 40960"),
+    ("zero_quantized_gradients_intra_node_bits", 2, "one of (4, 8)"),
+])
+def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(key, value, allowed):
+    with pytest.raises(ValueError) as raised:
+        DeepSpeedZeroConfig(stage=3, zero_quantized_gradients=True, **{key: value})
+    assert f"{key} {value} must be {allowed}" in str(raised.value)
+
+
+def model_and_config(**zero):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 33), torch.nn.ReLU(), torch.nn.Linear(33, 40))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 1e-3
+            }
+        },
+        "bf16": {
+            "enabled": True
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "zero_quantized_gradients": True,
+            **zero
+        },
+    }
+    return model, config
+
+
+class TestQuantizedGradientsConfigAtInitialize(DistributedTest):
+    world_size = 1
+
+    def test_bad_value_fails_at_initialize(self):
+        model, config = model_and_config(zero_quantized_gradients_intra_node_bits=16)
+        with pytest.raises(ValueError, match="zero_quantized_gradients_intra_node_bits 16 must be one of"):
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+
+class TestQuantizedGradientsConfigReachesTheCall(DistributedTest):
+    """At 3 nodes x 2 ranks, a ZeRO-3 step with non-default keys: stage 3 hands them to
+    all_to_all_quant_reduce, whose accounting shows the layout they make."""
+    world_size = 6
+
+    def test_keys_reach_all_to_all_quant_reduce(self):
+        from deepspeed.runtime.comm import coalesced_collectives
+        from deepspeed.runtime.comm.quantized_pipeline import quantized_reduce_plan
+        from deepspeed.runtime.zero import stage3
+
+        def intra_node_bytes(tensors, group_size, bits):
+            """What a call sends inside the node with these settings (3 nodes x 2 ranks)."""
+            quantized = tuple(t.numel() for t in tensors if t.dim() > 1)
+            exact = sum(-(-t.numel() // 6) * t.element_size() for t in tensors if t.dim() <= 1)
+            return exact + sum(layout.intra_node_bytes
+                               for _, layout in quantized_reduce_plan(quantized, 3, 2, group_size, bits))
+
+        with simulated_nodes(2):
+            model, config = model_and_config(**KEYS)
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            calls = []
+            real = stage3.all_to_all_quant_reduce
+
+            def recording(tensors, groups, **kwargs):
+                outputs = real(tensors, groups, **kwargs)
+                calls.append((kwargs, coalesced_collectives.qgz_accounting.last_call.intra_node_bytes,
+                              intra_node_bytes(tensors, 256, 4),
+                              intra_node_bytes(tensors, quantized_layout.DEFAULT_GROUP_SIZE,
+                                               quantized_layout.DEFAULT_INTRA_NODE_BITS)))
+                return outputs
+
+            stage3.all_to_all_quant_reduce = recording
+            try:
+                x = torch.randn(2, 40, device=engine.device, dtype=torch.bfloat16)
+                engine.backward(engine(x).float().pow(2).mean())
+                engine.step()
+            finally:
+                stage3.all_to_all_quant_reduce = real
+        assert calls and dist.get_world_size() == 6
+        for kwargs, reported, with_keys, with_defaults in calls:
+            assert kwargs == {"group_size": 256, "intra_node_bits": 4}
+            # the accounting shows the layout the keys make, which is not the defaults'
+            assert reported == with_keys != with_defaults
