@@ -12,17 +12,23 @@ for validation. Every run uses the same seeds, initial weights and batches, so q
 runs pair step by step. Runs (one torchrun job runs them one after the other):
 
   off              zero_quantized_gradients false (the bf16 reduce-scatter)
-  qgz-4/4          qgZ, int4 inside and across nodes, groups of at most 136 values
-  qgz-8/4          qgZ, int8 inside the node, int4 across, groups of at most 136 values
-  qgz-8/4-256      the same with groups of at most 256 values
+  qgz-4/4          qgZ, int4 inside and across nodes, groups of at most 136 values (the config keys
+                   zero_quantized_gradients_intra_node_bits 4, _group_size 136)
+  qgz-8/4          qgZ, int8 inside the node, int4 across, groups of at most 136 values (the defaults)
+  ... first quantization clamped   study variants: the first quantization (inside the node) with
+                   the kernels' formula, a group's positive absmax clamped from the largest code
+                   plus one, instead of clamp-free
+  qgz-8/4-256      qgZ 8/4 with groups of at most 256 values
+  zero++           ZeRO++'s whole recipe: quantized weights (qwZ) gathered for every layer, hpZ
+                   inside the node, qgZ 8/4 (the other runs keep the weights gathered, which is
+                   exact, so they pair with it as they are)
   0.19.8           DeepSpeed 0.19.8's all_to_all_quant_reduce as users get it (its fallbacks and
                    its average over nodes only), with the CPU op reading the bf16 gradients' bits
                    as fp16, as the CUDA kernels do
 
 Then, in one process on the trained qgZ-off model's real gradients (one micro-batch per rank), the
-relative RMS error of the averaged gradient per layer class at 3x2 and 4x8 for each setting, a
-study variant (8/4 requantizing the node sums with the kernels' clamp instead of clamp-free), and
-0.19.8's grouping rule (with a correct fp16 conversion and average, so the grouping alone is
+relative RMS error of the averaged gradient per layer class at 3x2 and 4x8 for each setting, the
+study variants (also 8/4 with both quantizations clamped), and 0.19.8's grouping rule (with a correct fp16 conversion and average, so the grouping alone is
 compared).
 
 Writes convergence.json, convergence.md and convergence.png to --out.
@@ -31,7 +37,7 @@ Writes convergence.json, convergence.md and convergence.png to --out.
 """
 
 import argparse
-import functools
+import contextlib
 import json
 import math
 import re
@@ -55,8 +61,11 @@ LAYER_CLASSES = ("embeddings", "attention", "MLP", "output head")
 RUNS = {
     "off": (False, None, None, None, (0, 1, 2, 3)),
     "qgz-4/4": (True, 136, 4, None, (0, 1, 2, 3)),
+    "qgz-4/4 first quantization clamped": (True, 136, 4, "first-clamped", (0, 1, 2, 3)),
     "qgz-8/4": (True, 136, 8, None, (0, 1, 2, 3)),
+    "qgz-8/4 first quantization clamped": (True, 136, 8, "first-clamped", (0, 1, 2, 3)),
     "qgz-8/4-256": (True, 256, 8, None, (0, )),
+    "zero++": (True, 136, 8, "zero++", (0, 1)),
     "0.19.8": (True, None, None, "upstream", (0, )),
 }
 # the trained qgZ-off model (seed 0) the fidelity study takes its gradients from
@@ -66,11 +75,13 @@ SMOKE_RUNS = {"off": (False, None, None, None, (0, )), "qgz-8/4": (True, 136, 8,
 # fidelity: name -> (group size, intra-node bits, variant)
 FIDELITY = {
     "qgz-4/4": (136, 4, None),
+    "qgz-4/4 first quantization clamped": (136, 4, "first-clamped"),
     "qgz-4/4-256": (256, 4, None),
     "qgz-4/4-1024": (1024, 4, None),
     "qgz-8/4": (136, 8, None),
+    "qgz-8/4 first quantization clamped": (136, 8, "first-clamped"),
+    "qgz-8/4 both quantizations clamped": (136, 8, "clamped"),
     "qgz-8/4-256": (256, 8, None),
-    "qgz-8/4 with the kernels' clamp": (136, 8, "clamped"),
     "0.19.8 rule": (None, None, "upstream"),
 }
 
@@ -156,21 +167,23 @@ def layer_class(name):
 # ----------------------------------------------------------------------------------------------
 
 
-def clamped_requantization():
-    """A context in which the 8/4 pipeline requantizes its node sums with the kernels' formula
-    (a group's positive absmax clamped from code 8 to 7) instead of clamp-free: the study variant
-    behind the choice."""
-    import contextlib
+def study_variant(variant):
+    """A context for a study variant of the pipeline's quantizations (the kernels' clamp instead of
+    clamp-free): "first-clamped" for the first one (inside the node), "clamped" for every one the
+    glue makes; anything else changes nothing."""
     from deepspeed.runtime.comm import quantized_pipeline
+    if variant not in ("first-clamped", "clamped"):
+        return contextlib.nullcontext()
+    real = quantized_pipeline._quantize_slots
+
+    def clamped(*args, **kwargs):
+        first = "exponent" not in kwargs  # the node sums' requantization passes their exponents
+        keep = kwargs.get("clamp_free", False) and variant == "first-clamped" and not first
+        return real(*args, **dict(kwargs, clamp_free=keep))
 
     @contextlib.contextmanager
     def patched():
-        real = quantized_pipeline._quantize_slots
-
-        def with_clamp(*args, **kwargs):
-            return real(*args, **dict(kwargs, clamp_free=False))
-
-        quantized_pipeline._quantize_slots = with_clamp
+        quantized_pipeline._quantize_slots = clamped
         try:
             yield
         finally:
@@ -236,7 +249,23 @@ def run_file(name, seed):
     return f"run_{name.replace('/', '-')}_seed{seed}.json"
 
 
-def ds_config(quantized):
+def ds_config(quantized, group_size=None, bits=None, variant=None):
+    zero = {
+        "stage": 3,
+        "zero_quantized_gradients": quantized,
+        # every parameter of this small model stays gathered (no all-gather per layer and step: on
+        # 2 cores that overhead would dominate); gradients are still reduce-scattered and the
+        # optimizer state still partitioned, which is what qgZ changes
+        "stage3_param_persistence_threshold": 10**7,
+    }
+    if quantized and variant != "upstream":
+        zero.update(zero_quantized_gradients_group_size=group_size, zero_quantized_gradients_intra_node_bits=bits)
+    if variant == "zero++":
+        # ZeRO++ as its tutorial configures it: weights gathered (quantized) for every layer, hpZ's
+        # secondary partitions inside the node
+        zero.update(zero_quantized_weights=True,
+                    zero_hpz_partition_size=PROCS_PER_NODE,
+                    stage3_param_persistence_threshold=0)
     return {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
@@ -262,14 +291,7 @@ def ds_config(quantized):
         "bf16": {
             "enabled": True
         },
-        "zero_optimization": {
-            "stage": 3,
-            "zero_quantized_gradients": quantized,
-            # every parameter of this small model stays gathered (no all-gather per layer and step:
-            # on 2 cores that overhead would dominate); gradients are still reduce-scattered and
-            # the optimizer state still partitioned, which is what qgZ changes
-            "stage3_param_persistence_threshold": 10**7
-        },
+        "zero_optimization": zero,
     }
 
 
@@ -291,17 +313,17 @@ def worker(args):
     runs, plan = run_plan(args)
     for index, (name, seed) in enumerate(plan):
         quantized, group_size, bits, variant, _ = runs[name]
-        if variant == "upstream":
-            stage3.all_to_all_quant_reduce = upstream.all_to_all_quant_reduce
-        else:
-            stage3.all_to_all_quant_reduce = functools.partial(ours_reduce,
-                                                               group_size=group_size,
-                                                               intra_node_bits=bits)
+        # stage 3 passes the config keys, which 0.19.8's function does not take
+        stage3.all_to_all_quant_reduce = ((
+            lambda tensors, groups, **_: upstream.all_to_all_quant_reduce(tensors, groups))
+                                          if variant == "upstream" else ours_reduce)
+        study = study_variant(variant)
+        study.__enter__()
         torch.manual_seed(seed)
         model = make_model()
         engine, _, _, _ = deepspeed.initialize(model=model,
                                                model_parameters=model.parameters(),
-                                               config=ds_config(quantized))
+                                               config=ds_config(quantized, group_size, bits, variant))
         cc.qgz_accounting.reset()
         losses, evals = [], []
         started = time.perf_counter()
@@ -351,6 +373,7 @@ def worker(args):
             (out / run_file(name, seed)).write_text(json.dumps(result))
         engine.destroy() if hasattr(engine, "destroy") else None
         del engine, model
+        study.__exit__(None, None, None)
     dist.barrier()
     dist.destroy_process_group()  # a clean shutdown (see scripts/qgz_3x2/train.py)
 
@@ -403,7 +426,6 @@ def upstream_rule_simulation(inputs, num_nodes, local_world_size, ops):
 
 def fidelity(model_path, topologies):
     """{topology: {setting: {layer class: relative RMS error, "shrinkage": ...}}} on real gradients."""
-    import contextlib
     import torch
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
@@ -434,7 +456,7 @@ def fidelity(model_path, topologies):
                 full = [torch.cat([outputs[r][i].double() for r in range(world)]) for i in range(len(names))]
             else:
                 quantized = [i for i, n in enumerate(names) if layer_class(n)]
-                with clamped_requantization() if variant == "clamped" else contextlib.nullcontext():
+                with study_variant(variant):
                     outputs, _ = simulate_all_to_all_quant_reduce([[g[i] for i in quantized] for g in grads],
                                                                   num_nodes, local_world_size, quantizer, group_size,
                                                                   bits)

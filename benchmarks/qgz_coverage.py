@@ -2,17 +2,29 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Share of a model's gradient elements that qgZ quantizes: DeepSpeed 0.19.8's rule (tensors of two
+"""What ZeRO++ quantizes of real models, on 2, 3 and 5 nodes. Pure arithmetic on parameter shapes.
+
+Gradients (qgZ): the share of a model's gradient elements DeepSpeed 0.19.8 quantizes (tensors of two
 or more dimensions whose numel is a multiple of 2 x world; the rest falls back to the fp16
-reduce-scatter) against this project's (every tensor of two or more dimensions). Also the share
-0.19.8 quantizes with a layout outside the kernels' contract (silently wrong results), by its
-groups = max(shape[0], shape[1], world) rule. Pure arithmetic on parameter shapes.
+reduce-scatter) and, of that, the share whose kernel calls leave the kernels' contract
+(qgz_contract.py: its groups = max(shape[0], shape[1], world) rule; warp rule included), against the
+patch's (every tensor of two or more dimensions) and the padding its layout adds.
+
+Weights (qwZ): the share of a model's weight elements DeepSpeed 0.19.8's quantized all-gather can
+take, each parameter gathered alone (its partition ceil(numel / world) must be a multiple of 8
+that its group search splits into groups below 16000 values, else an AssertionError stops
+training), and of that the share whose quantize call leaves the contract; against the patch's
+(every parameter) and the padding its layout (quantized_weights.py) adds to the all-gather.
 
     python benchmarks/qgz_coverage.py
 """
 
-from deepspeed.ops.quantizer.qgz_contract import swizzle_quant_violations
+import math
+
+from deepspeed.ops.quantizer.qgz_contract import (SYMMETRIC, quantize_violations, quantized_reduction_violations,
+                                                  swizzle_quant_violations)
 from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout, resolve_group_size
+from deepspeed.runtime.zero.quantized_weights import quantized_weight_layout
 
 
 def llama2_7b():
@@ -48,18 +60,51 @@ def numel(shape):
 def coverage(shapes, nodes, devices):
     world = nodes * devices
     total = sum(numel(s) for s in shapes)
+
+    def outside_contract(shape):
+        n, groups = numel(shape), max(shape[0], shape[1], world)
+        return (swizzle_quant_violations(n, groups, 4, 1, nodes, devices)
+                or quantized_reduction_violations(n // 2, groups, groups, groups // devices, 4, SYMMETRIC, devices))
+
     upstream = [s for s in shapes if len(s) > 1 and numel(s) % (2 * world) == 0]
-    upstream_broken = [
-        s for s in upstream if swizzle_quant_violations(numel(s), max(s[0], s[1], world), 4, 1, nodes, devices)
-    ]
+    upstream_broken = [s for s in upstream if outside_contract(s)]
     ours = [s for s in shapes if len(s) > 1]
     layout = quantized_reduce_layout(tuple(numel(s) for s in ours), nodes, devices, resolve_group_size())
     share = lambda group: sum(numel(s) for s in group) / total  # noqa: E731
     return share(upstream), share(upstream_broken), share(ours), layout.padding_elems / share(ours) / total
 
 
+def upstream_weight_groups(partition):
+    """0.19.8's group search for a partition (CUDAQuantizer.quantize), or None where it asserts."""
+    groups = math.ceil(partition / 8000)
+    while groups < partition and partition % (8 * groups):
+        groups += 1
+    while partition % (16 * groups) == 0 and partition / groups > 8000:
+        groups *= 2
+    if partition % (8 * groups) or partition / groups >= 16000 or partition <= groups:
+        return None
+    return groups
+
+
+def weight_coverage(shapes, nodes, devices):
+    world = nodes * devices
+    total = sum(numel(s) for s in shapes)
+    handled = broken = 0
+    for shape in shapes:
+        partition = math.ceil(numel(shape) / world)
+        groups = upstream_weight_groups(partition)
+        if groups is not None:
+            handled += numel(shape)
+            if quantize_violations(partition, groups, 8):
+                broken += numel(shape)
+    layout = quantized_weight_layout(tuple(math.ceil(numel(s) / world) for s in shapes))
+    padding = world * (layout.padded_partition - sum(layout.numels))
+    return handled / total, broken / total, padding / total
+
+
 def main():
-    print("| model | nodes x GPUs | 0.19.8 quantizes | of which outside the kernel contract | this project quantizes "
+    print("Gradients (qgZ), the default group size:\n")
+    print("| model | nodes x GPUs | 0.19.8 quantizes | of which outside the kernel contract | the patch quantizes "
           "| padding added |")
     print("|---|---|---:|---:|---:|---:|")
     for model, build in MODELS.items():
@@ -67,6 +112,15 @@ def main():
         for nodes, devices in TOPOLOGIES:
             up, broken, ours, padding = coverage(shapes, nodes, devices)
             print(f"| {model} | {nodes}x{devices} | {up:.1%} | {broken:.1%} | {ours:.1%} | {padding:.3%} |")
+    print("\nWeights (qwZ), each parameter gathered alone:\n")
+    print("| model | nodes x GPUs | 0.19.8 gathers (the rest stops training) | of which outside the kernel contract "
+          "| the patch gathers | padding added to the all-gather |")
+    print("|---|---|---:|---:|---:|---:|")
+    for model, build in MODELS.items():
+        shapes = build()
+        for nodes, devices in TOPOLOGIES:
+            handled, broken, padding = weight_coverage(shapes, nodes, devices)
+            print(f"| {model} | {nodes}x{devices} | {handled:.1%} | {broken:.1%} | 100.0% | {padding:.3%} |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 # DeepSpeed Team
 """Throughput of the CPU quantizer op against the PyTorch reference and a plain copy of the same
 bytes, measured side by side in one run. GB/s are of fp16 values (2 bytes each) entering the op
-(swizzle_quant, quantized_reduction) or leaving it (dequantize).
+(quantize, swizzle_quant, quantized_reduction) or leaving it (dequantize). The gradients' kernels on
+the int4 layout of a 3 x 2 call at the default group size; quantize on the weights' groups.
 
     python benchmarks/quantizer_throughput.py [--elems 16777216] [--nodes 3 --devices 2]
 """
@@ -19,6 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.quantizer import qgz_reference as ref
 from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
 from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout, resolve_group_size
+from deepspeed.runtime.zero.quantized_weights import WEIGHT_BITS, WEIGHT_GROUP_SIZE
 
 
 def median_seconds(fn, repeats):
@@ -46,9 +48,9 @@ def main():
 
     nodes, devices = args.nodes, args.devices
     world = nodes * devices
-    layout = quantized_reduce_layout((args.elems, ), nodes, devices, resolve_group_size())
-    numel = world * layout.slot_elems
-    groups = world * layout.slot_groups
+    layout = quantized_reduce_layout((args.elems, ), nodes, devices, resolve_group_size(), 4)
+    numel = world * layout.intra.slot_elems
+    groups = world * layout.intra.slot_groups
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).half()
     data, scales = op.swizzle_quant(x, groups, 4, op.Symmetric, 1, nodes, devices)
     reduced, reduced_scales = op.quantized_reduction(data, scales, groups, groups // devices, 4, op.Symmetric, devices)
@@ -58,7 +60,11 @@ def main():
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)
 
+    weights = x[:numel // WEIGHT_GROUP_SIZE * WEIGHT_GROUP_SIZE]
     cases = [
+        ("quantize (weights)", weights.numel(),
+         lambda m, t: m.quantize(weights,
+                                 weights.numel() // WEIGHT_GROUP_SIZE, WEIGHT_BITS, t)),
         ("swizzle_quant", numel, lambda m, t: m.swizzle_quant(x, groups, 4, t, 1, nodes, devices)),
         ("quantized_reduction", numel,
          lambda m, t: m.quantized_reduction(data, scales, groups, groups // devices, 4, t, devices)),

@@ -11,6 +11,8 @@ so a DeepSpeed release that moved the code fails loudly instead of loading half 
 from dataclasses import dataclass
 from typing import Tuple
 
+from . import qwz_edits
+
 
 @dataclass(frozen=True)
 class Edit:
@@ -164,6 +166,8 @@ EDITS: Tuple[Edit, ...] = (
     Edit("requirements/requirements-dev.txt", "future\nimportlib-metadata>=4\n",
          "future\nhypothesis\nimportlib-metadata>=4\n"),
 )
+
+EDITS += tuple(Edit(qwz_edits.PATH, old, new) for old, new in qwz_edits.REPLACEMENTS)
 
 
 def edited_paths(in_package: bool = True) -> Tuple[str, ...]:

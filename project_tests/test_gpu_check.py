@@ -44,7 +44,7 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
     for section, _, status in rows:
         sections.setdefault(section.strip("| "), []).append(status)
     # environment: versions, build, overlay; kernels: 3 kernels at 4 bits and 2 at 8 bits x 8 group
-    # sizes (40960 only on a GPU); the probe at 4 and 8 bits; glue: 3 dtypes x 2 precisions x (reference, kernels);
+    # sizes (40960 only on a GPU), and the weights' quantize for the 6 of them the contract allows; the probe at 4 and 8 bits; glue: 3 dtypes x 2 precisions x (reference, kernels);
     # ranks: the collective in 3 dtypes x 2 precisions, training bf16/fp32 x on/off; speed: 4
     # group sizes, one bucket in 2 dtypes x 2 precisions
     assert {
@@ -52,7 +52,7 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
         for k, v in sections.items()
     } == {
         "environment": 3,
-        "kernels": 24,
+        "kernels": 46,
         "sub-warp probe": 2,
         "glue": 12,
         "ranks": 10,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The cost benchmarks, from a fresh machine (a few minutes): CPU quantizer op throughput, the
-# side-by-side collective benchmark (3 nodes x 2 by default; extra arguments go to it) and the
-# coverage table. Results (JSON, Markdown, PNG) land in benchmarks/results/. The convergence
-# benchmark has its own command: scripts/convergence.sh.
+# side-by-side collective benchmark (3 nodes x 2 by default; extra arguments go to it), the
+# modeled gradient synchronization of LLaMA-2-7B built on its counts, and the coverage tables.
+# Results (JSON, Markdown, PNG) land in benchmarks/results/. The convergence benchmark has its own
+# command: scripts/convergence.sh.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
@@ -13,5 +14,7 @@ say "benchmark: CPU quantizer op throughput"
 python "$ROOT/benchmarks/quantizer_throughput.py" | grep -v "^\[" | tee "$OUT/quantizer_throughput.txt"
 say "benchmark: one reduce-scatter call per bucket, side by side"
 python "$ROOT/benchmarks/qgz_collectives.py" --out "$OUT" "$@"
-say "benchmark: share of gradient elements quantized"
-python "$ROOT/benchmarks/qgz_coverage.py" | grep "^|" | tee "$OUT/qgz_coverage.md"
+say "benchmark: modeled gradient synchronization of LLaMA-2-7B"
+python "$ROOT/benchmarks/qgz_sync_model.py" --counts "$OUT/qgz_collectives.json" --out "$OUT"
+say "benchmark: share of gradient and weight elements quantized"
+python "$ROOT/benchmarks/qgz_coverage.py" | grep -v "^\[" | tee "$OUT/qgz_coverage.md"

@@ -9,7 +9,7 @@ DIR/gpu_check.json:
 
 1. environment: nvcc, torch, CUDA, the device and its architecture; DeepSpeed's CUDA
    QuantizerBuilder JIT-built for it (its output in DIR/build.log).
-2. kernels: swizzle_quant, quantized_reduction and dequantize against the PyTorch reference
+2. kernels: swizzle_quant, quantized_reduction, dequantize and quantize against the PyTorch reference
    (deepspeed/ops/quantizer/qgz_reference.py) over group sizes 8 to 40960 and four topologies, on
    groups of magnitudes 2**-20 to 2**15, all-zero groups, exact rounding ties, +-65504,
    subnormals, inf and NaN. Each kernel gets the same inputs as the reference (the previous GPU
@@ -253,7 +253,7 @@ def kernels(report, op, device, dry_run):
         totals = {
             name: {}
             for name in ("swizzle_quant", "quantized_reduction", "dequantize", "swizzle_quant 8-bit",
-                         "dequantize 8-bit")
+                         "dequantize 8-bit", "quantize (weights)")
         }
         for num_nodes, local_size in topologies:
             partitions = num_nodes * local_size
@@ -299,7 +299,19 @@ def kernels(report, op, device, dry_run):
             rd8 = ref.dequantize(q8.cpu(), s8.cpu(), num_groups, 8, ref.Symmetric)
             mismatched = int((d8.cpu().view(torch.int16) != rd8.view(torch.int16)).sum())
             add(totals["dequantize 8-bit"], {"elements": d8.numel(), "code_real": mismatched})
+
+            # the weights' quantize (qwZ), where the contract allows the group size
+            weight_groups = contract.quantize_launch(group_elems)[1] * 2
+            if not contract.quantize_violations(weight_groups * group_elems, weight_groups, 8):
+                w = test_values(weight_groups, group_elems, gen)
+                qw, sw = op.quantize(w.to(device), weight_groups, 8, op.Symmetric)
+                rqw, rsw = ref.quantize(w, weight_groups, 8, ref.Symmetric)
+                w_scale, _ = ref._params(w.float(), 8, False, contract.quantize_stat_slots(group_elems) > group_elems)
+                add(totals["quantize (weights)"],
+                    classify_quantized(w.float(), w_scale, unpack(qw, 8), unpack(rqw, 8), sw, rsw, group_elems))
         for name, counts in totals.items():
+            if not counts:  # the weights' quantize refuses groups of 136 to 256 values (sub-warp)
+                continue
             real = counts.get("code_real", 0) + counts.get("scale_real", 0)
             detail = ", ".join(f"{k} {v}" for k, v in counts.items())
             report.row("kernels", f"{name}, groups of {group_elems}, {len(topologies)} topologies",

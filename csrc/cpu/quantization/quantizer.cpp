@@ -4,8 +4,9 @@
 // DeepSpeed Team
 
 /*
-CPU implementation of the qgZ quantizer ops: swizzle_quant, quantized_reduction, dequantize and
-dequantize_fp32, with the Python signatures, output shapes, dtypes and numerics of the CUDA binding
+CPU implementation of the ZeRO++ quantizer ops: quantize, swizzle_quant, quantized_reduction,
+dequantize and dequantize_fp32, with the Python signatures, output shapes, dtypes and numerics of
+the CUDA binding
 (csrc/quantization/pt_binding.cpp). deepspeed/ops/quantizer/qgz_reference.py states those numerics
 in PyTorch and is the specification this file is tested against, bit for bit.
 
@@ -28,6 +29,8 @@ QGZ_SCALAR selects the portable path on any machine (the tests build it too).
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -277,6 +280,8 @@ inline void accumulate_block(const int8_t* in,
 // ---------------------------------------------------------------------------------------------
 
 constexpr int64_t kWarpSize = 32;
+constexpr int64_t kQuantizeMaxThreads = 256;
+constexpr int64_t kQuantizeSubblockMaxElems = 128;
 constexpr int64_t kSwizzleMinThreads = 32;
 constexpr int64_t kSwizzleMaxThreads = 512;
 constexpr int64_t kReduceMaxThreads = 1024;
@@ -300,6 +305,19 @@ std::pair<int64_t, int64_t> swizzle_launch(int64_t elems)
     return {threads, chunks};
 }
 
+// (threads per group, groups per block, chunks per thread) of quantize for a group of `elems`
+// values.
+std::tuple<int64_t, int64_t, int64_t> quantize_launch(int64_t elems)
+{
+    if (elems <= kQuantizeSubblockMaxElems) {
+        const int64_t threads = next_pow2((elems + kBlock - 1) / kBlock);
+        return {threads, (kQuantizeMaxThreads + threads - 1) / threads, 1};
+    }
+    const int64_t threads =
+        std::min(next_pow2((elems + 2 * kBlock - 1) / (2 * kBlock)), kQuantizeMaxThreads);
+    return {threads, 1, 2 * ((elems + threads * 2 * kBlock - 1) / (threads * 2 * kBlock))};
+}
+
 int64_t reduce_load_bytes(int num_bits) { return num_bits == 4 ? 4 : 8; }
 
 // (threads, chunks per thread) of dequant_reduce for an output group of `bytes` bytes.
@@ -317,6 +335,12 @@ bool swizzle_has_idle_lanes(int64_t elems)
 {
     const auto launch = swizzle_launch(elems);
     return launch.first * launch.second * kBlock > elems;
+}
+
+bool quantize_has_idle_lanes(int64_t elems)
+{
+    const auto launch = quantize_launch(elems);
+    return std::get<0>(launch) * std::get<2>(launch) * kBlock > elems;
 }
 
 bool reduce_has_idle_lanes(int64_t bytes, int num_bits)
@@ -357,6 +381,56 @@ void quantize_group(const float* values,
 }
 
 }  // namespace
+
+std::vector<at::Tensor> quantize(at::Tensor& input, int num_groups, int num_bits, QuantType type)
+{
+    check_bits(num_bits);
+    TORCH_CHECK(
+        input.device().is_cpu() && input.scalar_type() == at::kHalf && input.is_contiguous(),
+        "quantize: input must be a contiguous float16 CPU tensor, got ",
+        input.scalar_type(),
+        " on ",
+        input.device());
+    const int64_t numel = input.numel();
+    TORCH_CHECK(num_groups > 0 && numel % num_groups == 0 && (numel / num_groups) % kBlock == 0,
+                "quantize: layout outside the kernel contract");
+    const int64_t elems = numel / num_groups;
+    const int64_t threads = std::get<0>(quantize_launch(elems));
+    TORCH_CHECK(elems <= kQuantizeSubblockMaxElems || threads >= kWarpSize,
+                "quantize: groups of ",
+                elems,
+                " elements launch ",
+                threads,
+                " threads, fewer than a warp (",
+                kWarpSize,
+                "): the CUDA kernel's warp shuffles would read lanes that do not exist");
+    const bool idle_lanes = quantize_has_idle_lanes(elems);
+    const int64_t bytes_per_group = elems * num_bits / 8;
+
+    auto sizes = input.sizes().vec();
+    sizes.back() /= 8 / num_bits;
+    auto output = at::empty(sizes, input.options().dtype(at::kChar));
+    auto params = at::empty({num_groups, param_width(type)}, input.options().dtype(at::kFloat));
+    const auto* src = reinterpret_cast<const uint16_t*>(input.data_ptr<at::Half>());
+    auto* dst = output.data_ptr<int8_t>();
+    auto* params_dst = params.data_ptr<float>();
+
+    at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> values(elems);
+        for (int64_t group = begin; group < end; ++group) {
+            for (int64_t i = 0; i < elems; i += kBlock)
+                half_block_to_float(src + group * elems + i, values.data() + i);
+            quantize_group(values.data(),
+                           elems,
+                           idle_lanes,
+                           num_bits,
+                           type,
+                           dst + group * bytes_per_group,
+                           params_dst + group * param_width(type));
+        }
+    });
+    return {output, params};
+}
 
 std::vector<at::Tensor> swizzle_quant(at::Tensor& input,
                                       int num_groups,
@@ -568,6 +642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
         .value("Symmetric", QuantType::Symmetric)
         .value("Asymmetric", QuantType::Asymmetric)
         .export_values();
+    m.def("quantize", &quantize, "Quantize equal groups in place order (CPU)");
     m.def("swizzle_quant",
           &swizzle_quant,
           "Quantize and swizzle groups for the qgZ all-to-all (CPU)");
@@ -576,9 +651,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           "Dequantize, sum over devices, requantize (CPU)");
     m.def("dequantize", &dequantize<at::Half>, "Dequantize to float16 (CPU)");
     m.def("dequantize_fp32", &dequantize<float>, "Dequantize to float32 (CPU)");
+    // The CUDA module's experimental fp_quantizer helpers have no CPU implementation.
+    for (const char* name :
+         {"dequantize_int4_to_half_experimental", "dequantize_int8_to_half_experimental"}) {
+        const std::string message = std::string(name) +
+                                    " has no CPU implementation: DeepSpeed's CUDA quantizer "
+                                    "(QuantizerBuilder on a CUDA accelerator) provides it";
+        m.def(name, [message](pybind11::args, pybind11::kwargs) -> at::Tensor {
+            TORCH_CHECK(false, message);
+            return at::Tensor();
+        });
+    }
     // The geometry and parameter width this file assumes, for the test against qgz_contract.py.
     m.def(
         "_swizzle_launch", &swizzle_launch, "(threads, chunks) of swizzle_quant for a group size");
+    m.def("_quantize_launch",
+          &quantize_launch,
+          "(threads, groups per block, chunks) of quantize for a group size");
     m.def("_reduce_launch",
           &reduce_launch,
           "(threads, chunks) of quantized_reduction for out-group bytes");

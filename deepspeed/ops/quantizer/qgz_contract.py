@@ -3,9 +3,10 @@
 
 # DeepSpeed Team
 """
-The layout contract of the qgZ quantizer kernels: swizzle_quant, quantized_reduction, dequantize.
+The layout contract of the ZeRO++ quantizer kernels: swizzle_quant, quantized_reduction and
+dequantize (qgZ, the gradients), quantize and dequantize (qwZ, the weights).
 
-The CUDA kernels (csrc/quantization/swizzled_quantize.cu, quant_reduce.cu, dequantize.cu) and
+The CUDA kernels (csrc/quantization/swizzled_quantize.cu, quant_reduce.cu, quantize.cu, dequantize.cu) and
 their bindings (csrc/quantization/pt_binding.cpp) check none of their assumptions. A call outside
 them does not fail: groups that do not divide evenly are dropped, 16-byte vectors that straddle a
 group read and overwrite the neighbour, a group larger than the unroll tables launches no kernel,
@@ -62,6 +63,15 @@ WARP_SIZE = 32
 DEQUANT_THREADS = 512
 DEQUANT_UNROLL = 8
 VECTOR_BYTES = 16
+
+# quantize (quantize.cu, the weights' quantizer): groups of at most QUANTIZE_SUBBLOCK_MAX_ELEMS
+# values share blocks of QUANTIZE_MAX_THREADS threads, next_pow2(ceil(elems / 8)) threads each;
+# larger groups get a block each, of min(next_pow2(ceil(elems / 16)), 256) threads, whose
+# statistics are reduced as a whole block (warp shuffles over all lanes), over at most
+# QUANTIZE_MAX_UNROLL steps of 16 values per thread.
+QUANTIZE_MAX_THREADS = 256
+QUANTIZE_SUBBLOCK_MAX_ELEMS = 128
+QUANTIZE_MAX_UNROLL = 4
 
 SUPPORTED_BITS = (4, 8)
 INT32_MAX = 2**31 - 1
@@ -147,6 +157,23 @@ def reduce_launch(bytes_per_out_group: int, num_bits: int):
     return threads, (chunks if chunks <= REDUCE_MAX_UNROLL else None)
 
 
+def quantize_launch(elems_per_group: int):
+    """(threads per group, groups per block, chunks of 8 values per thread) of quantize for a
+    group size; chunks is None if the launcher has no kernel for it."""
+    if elems_per_group <= QUANTIZE_SUBBLOCK_MAX_ELEMS:
+        threads = next_pow2(-(-elems_per_group // VECTOR_ELEMS))
+        return threads, -(-QUANTIZE_MAX_THREADS // threads), 1
+    threads = min(next_pow2(-(-elems_per_group // (2 * VECTOR_ELEMS))), QUANTIZE_MAX_THREADS)
+    steps = -(-elems_per_group // (threads * 2 * VECTOR_ELEMS))
+    return threads, 1, (2 * steps if steps <= QUANTIZE_MAX_UNROLL else None)
+
+
+def quantize_stat_slots(elems_per_group: int) -> int:
+    """Like swizzle_stat_slots, for quantize."""
+    threads, _, chunks = quantize_launch(elems_per_group)
+    return threads * chunks * VECTOR_ELEMS
+
+
 def swizzle_stat_slots(elems_per_group: int) -> int:
     """Values a swizzle_quant block folds into its group statistics: lanes past the group load
     zeros, so when this exceeds the group size a zero takes part in the absmax (or min/max)."""
@@ -195,6 +222,36 @@ def swizzle_quant_violations(numel: int, num_groups: int, num_bits: int, pipelin
     elif swizzle_launch(elems_per_group)[1] is None:
         problems.append(f"elements per group {elems_per_group} exceeds swizzle_quant's largest launch "
                         f"({SWIZZLE_MAX_GROUP_ELEMS})")
+    return problems
+
+
+def quantize_violations(numel: int, num_groups: int, num_bits: int) -> List[str]:
+    problems = _common(num_bits)
+    if num_groups < 1:
+        return problems + [f"num_groups must be >= 1, got {num_groups}"]
+    if numel > INT32_MAX:
+        problems.append(f"numel {numel} exceeds the kernels' int32 indexing ({INT32_MAX})")
+    if numel % num_groups:
+        problems.append(f"numel {numel} is not divisible by num_groups {num_groups}: the trailing "
+                        f"{numel % num_groups} elements would be dropped")
+        return problems
+    elems = numel // num_groups
+    if elems == 0 or elems % VECTOR_ELEMS:
+        problems.append(f"elements per group {elems} (numel {numel} / num_groups {num_groups}) is not a positive "
+                        f"multiple of the {VECTOR_ELEMS}-value vector width")
+        return problems
+    threads, per_block, chunks = quantize_launch(elems)
+    if chunks is None:
+        problems.append(f"elements per group {elems} exceed quantize's largest launch "
+                        f"({QUANTIZE_MAX_THREADS * QUANTIZE_MAX_UNROLL * 2 * VECTOR_ELEMS})")
+    elif elems > QUANTIZE_SUBBLOCK_MAX_ELEMS and threads < WARP_SIZE:
+        problems.append(
+            f"elements per group {elems} launch {threads} threads, fewer than a warp ({WARP_SIZE}), "
+            f"whose shuffles would read lanes that do not exist; groups of "
+            f"{QUANTIZE_SUBBLOCK_MAX_ELEMS + VECTOR_ELEMS} to {WARP_SIZE // 2 * 2 * VECTOR_ELEMS} values are affected")
+    elif num_groups % per_block:
+        problems.append(f"num_groups {num_groups} is not a multiple of the {per_block} groups of {elems} values "
+                        f"quantize runs per block: the last block would read past the input")
     return problems
 
 
@@ -281,6 +338,7 @@ def call_violations(kernel: str, sizes: tuple) -> List[str]:
     """The violations of a call of `kernel` ("swizzle_quant", "quantized_reduction", "dequantize")
     described by the size arguments its *_violations function takes, in order."""
     return {
+        "quantize": quantize_violations,
         "swizzle_quant": swizzle_quant_violations,
         "quantized_reduction": quantized_reduction_violations,
         "dequantize": dequantize_violations,
@@ -323,6 +381,12 @@ class ContractCheckedQuantizer:
         self.QuantizationType = ops.QuantizationType
         self.Symmetric = ops.Symmetric
         self.Asymmetric = ops.Asymmetric
+
+    def quantize(self, x, num_groups, num_bits, quant_type):
+        require(
+            tensor_violations(input=(x, "torch.float16")) + quantize_violations(x.numel(), num_groups, num_bits),
+            "quantize")
+        return self.ops.quantize(x.contiguous(), num_groups, num_bits, quant_type)
 
     def swizzle_quant(self, x, num_groups, num_bits, quant_type, pipeline_size, num_nodes, local_world_size):
         require(

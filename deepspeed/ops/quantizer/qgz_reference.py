@@ -6,8 +6,8 @@
 A readable pure-PyTorch statement of what the qgZ quantizer kernels compute, bit for bit.
 
 Same signatures, argument meanings, output shapes and dtypes as the CUDA binding
-(csrc/quantization/pt_binding.cpp): ``swizzle_quant``, ``quantized_reduction``, ``dequantize`` and
-``dequantize_fp32``. The CPU op (csrc/cpu/quantization/quantizer.cpp) is tested against this module,
+(csrc/quantization/pt_binding.cpp): ``quantize``, ``swizzle_quant``, ``quantized_reduction``,
+``dequantize`` and ``dequantize_fp32``. The CPU op (csrc/cpu/quantization/quantizer.cpp) is tested against this module,
 bit for bit; so can the CUDA kernels be. It runs on any device.
 
 Numerics, as the kernels define them:
@@ -116,6 +116,22 @@ def _dequantize_rows(codes: torch.Tensor, params: torch.Tensor, asymmetric: bool
     if asymmetric:
         return _fma_fp32(codes, params[:, 0:1], params[:, 1:2])
     return codes * params[:, 0:1]
+
+
+def quantize(x: torch.Tensor, num_groups: int, num_bits: int, quant_type):
+    """Quantize `num_groups` equal groups of fp16 `x`, in place order. Returns (int8 data, fp32
+    params [num_groups, 1|2])."""
+    contract.require(
+        contract.tensor_violations(input=(x, "torch.float16")) +
+        contract.quantize_violations(x.numel(), num_groups, num_bits), "quantize")
+    elems = x.numel() // num_groups
+    asymmetric = _is_asymmetric(quant_type)
+    rows = x.reshape(num_groups, elems).float()
+    scale, offset = _params(rows, num_bits, asymmetric, contract.quantize_stat_slots(elems) > elems)
+    out_sizes = list(x.shape)
+    out_sizes[-1] //= contract.values_per_byte(num_bits)
+    packed = _pack(_quantize(rows, scale, offset, num_bits), num_bits)
+    return packed.reshape(out_sizes), _stored_params(scale, offset).contiguous()
 
 
 def swizzle_quant(x: torch.Tensor, num_groups: int, num_bits: int, quant_type, pipeline_size: int, num_nodes: int,

@@ -32,9 +32,11 @@ Numerics the stages share:
   without a contribution to a group does not weigh in the renormalizations; it is NaN when the
   group holds an inf or NaN, which the kernels would lose (a NaN quantizes to 0), so a
   non-finite gradient reaches its owner's partition.
-* With int8 inside the node, the node sums are requantized to int4 clamp-free: the kernels map a
-  group's largest magnitude to code +-8 and clamp +8 to 7, so a group whose largest magnitude is
-  positive is negated for the kernel and its scale negated back.
+* Quantization is clamp-free wherever the glue quantizes (stage 0, and the int4 requantization of
+  the node sums with int8 inside the node): the kernels map a group's largest magnitude to the
+  largest code plus one for a positive value (+8 at int4) and clamp it (to 7), but a negative one
+  to the smallest code (-8) exactly, so a group whose largest magnitude is positive is negated for
+  the kernel and its scale negated back. quantized_reduction requantizes with the kernel's formula.
 """
 
 import math
@@ -69,7 +71,7 @@ def chunk_cat(pieces: Sequence[Tensor], out: Tensor) -> None:
         offset += chunk
 
 
-def _exponent(magnitude: Tensor) -> Tensor:
+def binary_exponent(magnitude: Tensor) -> Tensor:
     """e with magnitude = m * 2**e, 0.5 <= m < 1 (e clamped to +-126), for non-negative
     magnitudes; 0 for zero, inf and NaN. Taken in fp32 whatever the magnitude's dtype (CUDA has
     no bf16 frexp before torch 2.5)."""
@@ -82,7 +84,7 @@ def _summing_exponent(magnitudes: Tensor) -> Tensor:
     brings each scaled copy below 2**-h, 2**h >= 2 * copies, so any sum over the copies of values
     |code| * scale * 2**-e stays below half the largest code."""
     copies = magnitudes.shape[0]
-    return _exponent(magnitudes.amax(dim=0)) + (2 * copies - 1).bit_length()
+    return binary_exponent(magnitudes.amax(dim=0)) + (2 * copies - 1).bit_length()
 
 
 def _quantize_slots(values: Tensor,
@@ -107,12 +109,12 @@ def _quantize_slots(values: Tensor,
     absmax = torch.linalg.vector_norm(fmt.data_groups(values), math.inf, dim=-1)  # NaN if a group holds one
     factors, scale_exponent = None, exponent
     if dtype != torch.float16:
-        own = _exponent(absmax)
+        own = binary_exponent(absmax)
         factors = torch.pow(0.5, own)
         scale_exponent = own if exponent is None else own + exponent
     sign = None
     if clamp_free:
-        largest, smallest = torch.aminmax(fmt.data_groups(values), dim=-1)
+        smallest, largest = torch.aminmax(fmt.data_groups(values), dim=-1)
         sign = torch.where(largest > -smallest, -1.0, 1.0)
         factors = sign if factors is None else factors * sign
     if factors is not None:
@@ -148,8 +150,8 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
     """Stage 0: quantize this rank's gradients for the intra-node exchange.
 
     Copies every tensor's partitions, and zeros for the padding and the scale groups, into one
-    [world, slot_elems] buffer (one chunk_cat) and quantizes all of it with one swizzle_quant at
-    the layout's intra-node precision.
+    [world, slot_elems] buffer (one chunk_cat) and quantizes all of it, clamp-free, with one
+    swizzle_quant at the layout's intra-node precision.
 
     Args:
         tensors: this rank's gradients (one dtype, one device), as laid out by `layout`.
@@ -174,7 +176,7 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
     values = torch.empty(world, fmt.slot_elems, dtype=dtype, device=device)
     chunk_cat(pieces, values)
     del zeros, pieces
-    return _quantize_slots(values, fmt, layout.num_nodes, layout.local_world_size, quantizer)
+    return _quantize_slots(values, fmt, layout.num_nodes, layout.local_world_size, quantizer, clamp_free=True)
 
 
 def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout, quantizer) -> Tensor:
@@ -254,7 +256,7 @@ def average_across_nodes(received: Tensor, layout: QuantizedReduceLayout, quanti
                                       fmt.bits, quantizer.Symmetric)
         shares = fmt.data_groups(values.view(num_nodes, -1)).sum(dim=0, dtype=torch.float64)
         return shares.view(-1).to(dtype)
-    exponent = _exponent(torch.nan_to_num(scales.abs(), nan=0.0, posinf=0.0).amax(dim=0))  # of the finite scales
+    exponent = binary_exponent(torch.nan_to_num(scales.abs(), nan=0.0, posinf=0.0).amax(dim=0))  # of the finite scales
     values = quantizer.dequantize(slots.view(-1), fmt.kernel_params(scales * torch.pow(0.5, exponent)),
                                   num_nodes * fmt.slot_groups, fmt.bits, quantizer.Symmetric)
     node_sum = fmt.data_groups(values.view(num_nodes, -1)).sum(dim=0, dtype=torch.float64)  # [groups, group_elems]

@@ -7,6 +7,7 @@ PyTorch statement of the CUDA kernels (deepspeed/ops/quantizer/qgz_reference.py)
 the kernel contract both enforce."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -219,3 +220,61 @@ def test_portable_path_matches_reference():
             assert same_bits(r, rr) and same_bits(r_s, rr_s)
             assert same_bits(op.dequantize(r, r_s, num_groups // local_size, bits, op_type),
                              ref.dequantize(r, r_s, num_groups // local_size, bits, ref_type))
+
+
+@st.composite
+def quantize_layouts(draw):
+    """Group sizes the contract allows: up to 128 values (several groups per block, a whole number
+    of blocks) or 264 to 16384 values (a block of at least a warp per group)."""
+    elems = 8 * draw(st.one_of(st.integers(1, 16), st.integers(33, 2048)))
+    per_block = contract.quantize_launch(elems)[1]
+    num_groups = per_block * draw(st.integers(1, 3))
+    return num_groups, elems, draw(st.sampled_from([4, 8])), draw(st.booleans())
+
+
+@settings(max_examples=120, deadline=None)
+@given(layout=quantize_layouts(), data=st.data())
+def test_quantize_matches_reference_bit_for_bit(cpu_quantizer, layout, data):
+    op = cpu_quantizer
+    num_groups, elems, bits, asymmetric = layout
+    assume(num_groups * elems <= 300_000)
+    x = data.draw(fp16_values(num_groups * elems)).view(num_groups, elems)
+    op_type, ref_type = (op.Asymmetric, ref.Asymmetric) if asymmetric else (op.Symmetric, ref.Symmetric)
+    q, s = op.quantize(x, num_groups, bits, op_type)
+    rq, rs = ref.quantize(x, num_groups, bits, ref_type)
+    assert same_bits(q, rq) and same_bits(s, rs)
+    assert q.shape == (num_groups, elems * bits // 8)
+    assert same_bits(op.dequantize(q, s, num_groups, bits, op_type), ref.dequantize(q, s, num_groups, bits, ref_type))
+
+
+@pytest.mark.parametrize("args,message", [
+    ((torch.zeros(136 * 2, dtype=torch.half), 2, 8), "elements per group 136 launch 16 threads, fewer than a warp"),
+    ((torch.zeros(256, dtype=torch.half), 1, 8), "elements per group 256 launch 16 threads, fewer than a warp"),
+    ((torch.zeros(64 * 3, dtype=torch.half), 3, 8), "not a multiple of the 32 groups of 64 values"),
+    ((torch.zeros(16392, dtype=torch.half), 1, 8), "exceed quantize's largest launch (16384)"),
+    ((torch.zeros(100, dtype=torch.half), 10, 8), "not a positive multiple of the 8-value vector width"),
+    ((torch.zeros(264, dtype=torch.float32), 1, 8), "input must be torch.float16"),
+])
+def test_quantize_refuses_what_the_kernel_leaves_undefined(cpu_quantizer, args, message):
+    for module in (cpu_quantizer, ref):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            module.quantize(*args, module.Symmetric)
+
+
+def test_cpu_op_itself_refuses_sub_warp_quantize_groups(cpu_quantizer):
+    ops = cpu_quantizer.ops
+    with pytest.raises(RuntimeError, match="groups of 200 elements launch 16 threads, fewer than a warp"):
+        ops.quantize(torch.zeros(200, dtype=torch.half), 1, 8, ops.Symmetric)
+
+
+def test_quantize_launch_geometry_matches_the_contract(cpu_quantizer):
+    ops = cpu_quantizer.ops
+    for elems in range(contract.VECTOR_ELEMS, 16384 + 1, contract.VECTOR_ELEMS):
+        assert tuple(ops._quantize_launch(elems)) == contract.quantize_launch(elems), elems
+    assert contract.quantize_launch(16392)[2] is None
+
+
+def test_functions_the_cpu_op_lacks_name_themselves(cpu_quantizer):
+    for name in ("dequantize_int4_to_half_experimental", "dequantize_int8_to_half_experimental"):
+        with pytest.raises(RuntimeError, match=f"{name} has no CPU implementation"):
+            getattr(cpu_quantizer.ops, name)(torch.zeros(8, dtype=torch.int8), torch.ones(1), torch.ones(1), 1, 8)

@@ -1,0 +1,240 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""ZeRO++'s quantized weights (qwZ) for any partition size: the layout and its kernels, the
+quantized all-gather on worlds of simulated nodes (with and without hpZ, trainable and
+non-trainable weights kept quantized), and ZeRO++'s whole recipe (qwZ + hpZ + qgZ) training."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.ops.quantizer import qgz_contract as contract
+from deepspeed.runtime.zero.quantized_weights import (WEIGHT_BITS, WEIGHT_GROUP_SIZE, dequantize_weights,
+                                                      quantize_weights, quantized_weight_layout)
+
+from unit.common import DistributedTest
+from unit.qgz_util import device, quantizer, simulated_nodes
+
+partition_sizes = st.lists(st.integers(0, 300_000), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(partition_sizes, st.integers(1, 64))
+def test_layout_meets_the_kernels_contract_for_any_partition_sizes(numels, world):
+    """Whatever the partitions, the quantize of a rank's padded partition and the dequantize of a
+    gathered bucket are inside the kernels' contract, warp rule included; each partition starts
+    on a group boundary and gains less than a group."""
+    layout = quantized_weight_layout(tuple(numels))
+    assert contract.quantize_violations(layout.padded_partition, layout.num_groups, WEIGHT_BITS) == [] or \
+        layout.padded_partition == 0
+    if layout.padded_partition:
+        assert contract.dequantize_violations(world * layout.padded_partition, world * layout.num_groups,
+                                              world * layout.num_groups, WEIGHT_BITS, contract.SYMMETRIC) == []
+    for numel, offset, end in zip(numels, layout.offsets, layout.offsets[1:] + (layout.padded_partition, )):
+        assert offset % WEIGHT_GROUP_SIZE == 0 and 0 <= end - offset - numel < WEIGHT_GROUP_SIZE
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_quantized_partitions_come_back_within_int8_error(dtype):
+    """Partitions of odd sizes and magnitudes 10^10 apart, quantized in one kernel and dequantized:
+    each within the int8 error of its own group of its exact values; zeros exactly; a non-finite
+    value makes its group NaN."""
+    gen = torch.Generator().manual_seed(0)
+    magnitudes = [1e-6, 1e4, 1.0, 1e-6] if dtype != torch.float16 else [1e-3, 1e4, 1.0, 1e-3]
+    partitions = [(torch.randn(n, generator=gen) * m).to(dtype).to(device())
+                  for n, m in zip((2053, 17, 4096, 1), magnitudes)]
+    partitions.append(torch.zeros(300, dtype=dtype, device=device()))
+    layout = quantized_weight_layout(tuple(p.numel() for p in partitions))
+    codes, scales = quantize_weights(quantizer(), partitions, layout)
+    assert codes.dtype == torch.int8 and codes.numel() == layout.padded_partition
+    values = dequantize_weights(quantizer(), codes, scales, dtype)
+    assert values.dtype == dtype and values.numel() == layout.padded_partition
+    for i, partition in enumerate(partitions):
+        got = layout.gathered_partition(values, i, 0, partition.numel()).double().cpu()
+        exact = partition.double().cpu()
+        step = torch.cat([g.abs().max().expand(g.numel()) / 127 for g in exact.split(WEIGHT_GROUP_SIZE)])
+        assert ((got - exact).abs() <= int8_error_bound(exact, step, dtype)).all(), (i, float(
+            (got - exact).abs().max()))
+    poisoned = [p.clone() for p in partitions]
+    poisoned[2][5] = float("nan")
+    codes, scales = quantize_weights(quantizer(), poisoned, layout)
+    values = dequantize_weights(quantizer(), codes, scales, dtype)
+    assert torch.isnan(layout.gathered_partition(values, 2, 0, 4096)[:WEIGHT_GROUP_SIZE]).all()
+    assert torch.isfinite(layout.gathered_partition(values, 0, 0, 2053)).all()
+
+
+def int8_error_bound(exact, step, dtype):
+    """Clamp-free int8: half a step of the group (absmax / 127), but a whole one for a value of the
+    other sign than the group's largest magnitude within a step of it (it lands on code 128, which
+    clamps to 127); then the dequantize kernel's fp16 product and the dtype's rounding."""
+    near_extreme = exact.abs() >= 126 * step
+    return torch.where(near_extreme, 1.01, 0.51) * step + exact.abs() * (2**-10 + torch.finfo(dtype).eps)
+
+
+def group_steps(weight, parts):
+    """Per element of `weight`, the int8 step (absmax / 127) of its quantization group when the
+    weight is split into `parts` partitions, each in groups of WEIGHT_GROUP_SIZE."""
+    flat = weight.reshape(-1).float()
+    size = -(-flat.numel() // parts)
+    return torch.cat([
+        group.abs().max().expand(group.numel()) / 127 for partition in flat.split(size)
+        for group in partition.split(WEIGHT_GROUP_SIZE)
+    ])
+
+
+def test_gathered_partition_refuses_what_is_not_there():
+    layout = quantized_weight_layout((100, 5000))
+    gathered = torch.zeros(3 * layout.padded_partition)
+    assert layout.gathered_partition(gathered, 1, 2, 5000).numel() == 5000
+    with pytest.raises(ValueError, match="of rank 3 do not lie in a gathered buffer"):
+        layout.gathered_partition(gathered, 1, 3, 5000)
+    with pytest.raises(ValueError, match="101 values of parameter 0"):
+        layout.gathered_partition(gathered, 0, 0, 101)
+
+
+class OddModel(torch.nn.Module):
+    """Layers whose partitions are not multiples of 8 on 3, 5 or 7 nodes; the first frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Linear(37, 29)
+        self.hidden = torch.nn.Linear(29, 41)
+        self.out = torch.nn.Linear(41, 37, bias=False)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(torch.relu(self.frozen(x)))))
+
+
+def zero_config(precision, lr=1e-3, **zero):
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": lr
+            }
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            **zero
+        },
+    }
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    return config
+
+
+PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def usable_precisions():
+    from deepspeed.accelerator import get_accelerator
+    return [p for p in PRECISIONS if p != "fp16" or get_accelerator().is_fp16_supported()]
+
+
+class QuantizedWeightsTests:
+    """The quantized all-gather on `world_size` processes forming nodes of `local_size` ranks:
+    every rank sees every weight within int8 error, with hpZ (secondary partitions inside the
+    node) and without, trainable weights and non-trainable ones kept quantized."""
+    local_size = None
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("hpz", [False, True])
+    def test_every_rank_sees_the_weights(self, hpz):
+        for precision in usable_precisions():
+            dtype = PRECISIONS[precision]
+            with simulated_nodes(self.local_size):
+                torch.manual_seed(1)
+                model = OddModel()
+                exact = {name: p.detach().clone().to(dtype) for name, p in model.named_parameters()}
+                config = zero_config(precision,
+                                     zero_quantized_weights=True,
+                                     zero_quantized_nontrainable_weights=True,
+                                     zero_hpz_partition_size=self.local_size if hpz else 1)
+                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+                seen = {}
+
+                def capture(module, _inputs):
+                    for name, param in module.named_parameters(recurse=False):
+                        seen[f"{module.qualified}.{name}"] = param.detach().clone()
+
+                for name, module in engine.module.named_children():
+                    module.qualified = name
+                    module.register_forward_pre_hook(capture)
+                for _ in range(2):  # the second forward gathers hpZ's secondary partitions
+                    seen.clear()
+                    engine(torch.randn(2, 37, device=engine.device, dtype=dtype))
+                    assert sorted(seen) == sorted(exact)
+                    for name, weight in seen.items():
+                        reference = exact[name].to(weight.device)
+                        assert weight.shape == reference.shape and weight.dtype == dtype, name
+                        # the int8 error of the groups of the rank's partition, or of hpZ's
+                        flat = reference.float().view(-1)
+                        bound = torch.maximum(
+                            int8_error_bound(flat, group_steps(reference, dist.get_world_size()), dtype),
+                            int8_error_bound(flat, group_steps(reference, self.local_size),
+                                             dtype)).view(reference.shape)
+                        assert ((weight.float() - reference.float()).abs() <= bound).all(), \
+                            (precision, name, float(((weight.float() - reference.float()).abs() / bound).max()))
+                engine.destroy()
+
+
+class TestQuantizedWeights3Nodes2Ranks(QuantizedWeightsTests, DistributedTest):
+    world_size = 6
+    local_size = 2
+
+
+class TestQuantizedWeights2Nodes3Ranks(QuantizedWeightsTests, DistributedTest):
+    world_size = 6
+    local_size = 3
+
+
+class TestQuantizedWeights5Nodes2Ranks(QuantizedWeightsTests, DistributedTest):
+    world_size = 10
+    local_size = 2
+
+
+class TestZeroPlusPlusRecipe3Nodes2Ranks(DistributedTest):
+    """ZeRO++ as its tutorial configures it (quantized weights, hpZ inside the node, quantized
+    gradients) trains on 3 nodes x 2 ranks next to plain ZeRO-3, from the same weights and data."""
+    world_size = 6
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("precision", ["bf16", "fp32"])
+    def test_recipe_trains_next_to_zero3(self, precision):
+        steps, losses = 8, {}
+        for recipe in ("zero3", "zero++"):
+            with simulated_nodes(2):
+                torch.manual_seed(2)
+                model = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.ReLU(), torch.nn.Linear(53, 37))
+                zero = {} if recipe == "zero3" else {
+                    "zero_quantized_weights": True,
+                    "zero_hpz_partition_size": 2,
+                    "zero_quantized_gradients": True
+                }
+                engine, _, _, _ = deepspeed.initialize(model=model,
+                                                       model_parameters=model.parameters(),
+                                                       config=zero_config(precision, lr=1e-2, **zero))
+                # one batch per rank, fitted for a few steps: the loss must fall under both
+                x = torch.randn(2, 37, generator=torch.Generator().manual_seed(dist.get_rank()))
+                x = x.to(engine.device, PRECISIONS[precision])
+                losses[recipe] = []
+                for _ in range(steps):
+                    loss = (engine(x).float() - x.float()).pow(2).mean()
+                    engine.backward(loss)
+                    engine.step()
+                    losses[recipe].append(float(loss))
+                engine.destroy()
+        assert all(math.isfinite(v) for v in losses["zero++"]), losses
+        assert losses["zero++"][-1] < losses["zero++"][0], losses
+        # the recipe tracks plain ZeRO-3: within 5% of the starting loss at every step
+        for ours, reference in zip(losses["zero++"], losses["zero3"]):
+            assert abs(ours - reference) <= 0.05 * losses["zero3"][0], losses
