@@ -106,7 +106,8 @@ def _quantize_slots(values: Tensor,
         clamp_free: negate each group whose largest magnitude is positive for the kernel.
     """
     dtype = values.dtype
-    absmax = torch.linalg.vector_norm(fmt.data_groups(values), math.inf, dim=-1)  # NaN if a group holds one
+    smallest, largest = torch.aminmax(fmt.data_groups(values), dim=-1)
+    absmax = torch.maximum(largest, -smallest)  # NaN if a group holds one
     factors, scale_exponent = None, exponent
     if dtype != torch.float16:
         own = binary_exponent(absmax)
@@ -114,7 +115,6 @@ def _quantize_slots(values: Tensor,
         scale_exponent = own if exponent is None else own + exponent
     sign = None
     if clamp_free:
-        smallest, largest = torch.aminmax(fmt.data_groups(values), dim=-1)
         sign = torch.where(largest > -smallest, -1.0, 1.0)
         factors = sign if factors is None else factors * sign
     if factors is not None:
@@ -210,9 +210,12 @@ def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout, quantize
         values = quantizer.dequantize(slots.view(-1), intra.kernel_params(normalized),
                                       local_world_size * num_nodes * intra.slot_groups, intra.bits,
                                       quantizer.Symmetric)
+        # each buffer is released as soon as the next one holds what is needed of it
+        sums = intra.data_groups(values.view(local_world_size, num_nodes, -1)).sum(dim=0, dtype=torch.float64)
+        del values
         node_sums = torch.zeros(num_nodes, inter.slot_elems, dtype=torch.float32, device=received.device)
-        inter.data_groups(node_sums).copy_(
-            intra.data_groups(values.view(local_world_size, num_nodes, -1)).sum(dim=0, dtype=torch.float64))
+        inter.data_groups(node_sums).copy_(sums)
+        del sums
         return _quantize_slots(node_sums, inter, num_nodes, 1, quantizer, exponent=exponent, clamp_free=True)
 
     finite = (scales.abs() < math.inf).all(dim=0)
@@ -275,9 +278,10 @@ def quantized_reduce_scatter(tensors: List[Tensor], layout: QuantizedReduceLayou
     Returns:
         rank `rank`'s partition of each tensor's average, views of one buffer in the input dtype.
     """
-    slots = quantize_partitions(tensors, layout, quantizer)
-    node_sums = reduce_within_node(intra_node_exchange(slots), layout, quantizer)
-    average = average_across_nodes(inter_node_exchange(node_sums), layout, quantizer, tensors[0].dtype)
+    # no stage keeps the buffers of the stages before it
+    received = intra_node_exchange(quantize_partitions(tensors, layout, quantizer))
+    received = inter_node_exchange(reduce_within_node(received, layout, quantizer))
+    average = average_across_nodes(received, layout, quantizer, tensors[0].dtype)
     return layout.partitions(average, rank)
 
 

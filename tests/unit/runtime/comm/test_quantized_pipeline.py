@@ -96,12 +96,13 @@ def test_all_zero_input_is_exactly_zero(cpu_quantizer, bits):
     assert all(torch.equal(out[0], torch.zeros_like(out[0])) for out in outputs)
 
 
-@pytest.mark.parametrize("bits,expected", [(4, 60000 * (7 / 8)**2), (8, 60000 * 127 / 128)])
+@pytest.mark.parametrize("bits,expected", [(4, 60000 * 7 / 8), (8, 60000)])
 def test_fp16_node_sum_beyond_fp16_range(cpu_quantizer, bits, expected):
     """Each rank holds 60000: the node sum (120000) overflows fp16, the average (60000) does not.
-    A group's positive absmax maps to the largest code plus one, which the kernels clamp: a
-    constant group comes back as 7/8 of itself at each int4 stage that keeps the kernels'
-    formula, 127/128 at int8; the int8 path requantizes its node sums clamp-free."""
+    A group's positive absmax maps to the largest code plus one, which the kernels clamp. The
+    glue's quantizations are clamp-free and quantized_reduction's requantization (int4 inside the
+    node) keeps the kernels' formula, so a constant group comes back as 7/8 of itself with int4
+    inside the node and exactly with int8."""
     inputs = [[torch.full((4, 8), 60000.0, dtype=torch.float16)] for _ in range(6)]
     outputs, _ = simulate_all_to_all_quant_reduce(inputs, 3, 2, cpu_quantizer, intra_node_bits=bits)
     for out in outputs:
