@@ -197,7 +197,7 @@ def upstream_as_users_get_it():
     as the CUDA kernels do ((__half*)data_ptr()): bf16 gradients are quantized as garbage."""
     import torch
     from deepspeed.accelerator import get_accelerator
-    from qgz_harness import load_upstream_module
+    from qgz_harness import BeyondContract, load_upstream_module
     upstream = load_upstream_module("runtime/comm/coalesced_collectives.py", "upstream_coalesced_collectives")
     upstream.logger.setLevel("ERROR")  # a fallback warning per tensor per step otherwise
     ops = BeyondContract(get_accelerator().create_op_builder("QuantizerBuilder").load())
@@ -213,21 +213,6 @@ def upstream_as_users_get_it():
 
     upstream.quantizer_module = ReadsFp16Bits()
     return upstream
-
-
-class BeyondContract:
-    """The CPU op with quantized_reduction computed also where 0.19.8's grouping reduces with fewer
-    threads than a warp (undefined on CUDA; the op refuses it): as if the shuffles were defined."""
-
-    def __init__(self, ops):
-        self.ops, self.Symmetric = ops, ops.Symmetric
-
-    def quantized_reduction(self, *args):
-        from deepspeed.ops.quantizer import qgz_reference
-        return qgz_reference.quantized_reduction_beyond_contract(*args)
-
-    def __getattr__(self, name):
-        return getattr(self.ops, name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,6 +415,7 @@ def fidelity(model_path, topologies):
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
+    from qgz_harness import BeyondContract
     ops = get_accelerator().create_op_builder("QuantizerBuilder").load()
     quantizer = ContractCheckedQuantizer(ops)
     ops = BeyondContract(ops)  # for 0.19.8's rule
@@ -574,28 +560,31 @@ def _moving_average(values, window):
 
 
 def chart(results, path):
+    """One line per run: seed 0's training loss, the validation loss and the paired gap averaged over
+    the run's seeds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     offs = {r["seed"]: r for r in results if r["name"] == "off"}
     names = list(dict.fromkeys(r["name"] for r in results))
-    colors = {name: f"C{i}" for i, name in enumerate(names)}
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    for r in results:
-        label, style = f"{r['name']} (seed {r['seed']})", "--" if r["seed"] else "-"
-        axes[0].plot(_moving_average(r["losses"], 10), style, color=colors[r["name"]], label=label, linewidth=1)
-        axes[1].plot([s for s, _ in r["evals"]], [v for _, v in r["evals"]],
-                     style + "o",
-                     color=colors[r["name"]],
-                     label=label,
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.4))
+    for i, name in enumerate(names):
+        runs = [r for r in results if r["name"] == name]
+        style = {"color": f"C{i}", "linewidth": 1, "label": f"{name} ({len(runs)} seeds)"}
+        axes[0].plot(_moving_average(runs[0]["losses"], 10), **style)
+        steps = [s for s, _ in runs[0]["evals"]]
+        axes[1].plot(steps, [sum(r["evals"][k][1] for r in runs) / len(runs) for k in range(len(steps))],
+                     marker="o",
                      markersize=3,
-                     linewidth=1)
-        if r["name"] != "off" and r["seed"] in offs:
-            gap = [100 * (a - b) / b for a, b in zip(r["losses"], offs[r["seed"]]["losses"])]
-            axes[2].plot(_moving_average(gap, 50), style, color=colors[r["name"]], label=label, linewidth=1)
-    axes[0].set_title("training loss (mean over ranks, 10-step moving average)", fontsize=10)
-    axes[1].set_title("validation loss", fontsize=10)
-    axes[2].set_title("training loss vs qgZ off, same seed: % (50-step moving average)", fontsize=10)
+                     **style)
+        gaps = [[100 * (a - b) / b for a, b in zip(r["losses"], offs[r["seed"]]["losses"])] for r in runs
+                if name != "off" and r["seed"] in offs]
+        if gaps:
+            axes[2].plot(_moving_average([sum(g) / len(g) for g in zip(*gaps)], 50), **style)
+    axes[0].set_title(f"training loss, seed {results[0]['seed']} (mean over ranks, 10-step moving average)",
+                      fontsize=10)
+    axes[1].set_title("validation loss (mean over seeds)", fontsize=10)
+    axes[2].set_title("gap to qgZ off, same seed, % (mean over seeds, 50-step moving average)", fontsize=10)
     axes[2].axhline(0.05, color="grey", linewidth=0.8, linestyle=":")
     axes[2].axhline(0.0, color="black", linewidth=0.8)
     for ax in axes[:2]:
@@ -603,10 +592,11 @@ def chart(results, path):
         ax.set_ylim(1.9, 3.2)
     for ax in axes:
         ax.set_xlabel("step")
-        ax.legend(fontsize=7)
-    fig.suptitle("byte-level GPT on the Python standard library, ZeRO-3 bf16, 3 nodes x 2: qgZ group sizes vs "
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.suptitle("byte-level GPT on the Python standard library, ZeRO-3 bf16, 3 nodes x 2: qgZ settings vs "
                  "the unquantized reduce-scatter vs DeepSpeed 0.19.8")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -622,7 +612,8 @@ def main():
                         help="rebuild the tables and the chart from OUT/convergence.json")
     parser.add_argument("--fidelity-only",
                         action="store_true",
-                        help="only the fidelity table, on the model a full run kept in OUT")
+                        help="only the fidelity table, on the model a full run kept in OUT (replacing the one "
+                        "in OUT/convergence.json, if any)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -632,6 +623,9 @@ def main():
         return write_outputs(Path(args.out), saved["runs"], saved["fidelity"], args.steps)
     if args.fidelity_only:
         fid = fidelity(Path(args.out) / MODEL, FIDELITY_TOPOLOGIES)
+        saved = Path(args.out) / "convergence.json"
+        if saved.exists():  # the runs' tables keep their results, the fidelity table is replaced
+            return write_outputs(Path(args.out), json.loads(saved.read_text())["runs"], fid, args.steps)
         print(report([], fid, args.steps))
         return 0
 

@@ -8,7 +8,8 @@ per rank, default 3 nodes x 2), on the same buckets in one run:
   qgz-4/4      the patched all_to_all_quant_reduce, int4 inside and across nodes
   qgz-8/4      the same, int8 inside the node, int4 across
   upstream     DeepSpeed 0.19.8's all_to_all_quant_reduce, loaded from the installed file, with
-               the CPU quantizer op as its quantizer (per tensor; falls back as 0.19.8 does)
+               the CPU quantizer op as its quantizer (per tensor; falls back as 0.19.8 does; its
+               sub-warp reductions computed as if CUDA defined them)
   rs           the patched reduce_scatter_coalesced (what ZeRO-3 runs with qgZ off)
   upstream-rs  DeepSpeed 0.19.8's reduce_scatter_coalesced
 
@@ -80,7 +81,7 @@ def setup_rank():
     from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm import coalesced_collectives as ours
     from deepspeed.utils import groups as ds_groups
-    from qgz_harness import load_upstream_module
+    from qgz_harness import BeyondContract, load_upstream_module
 
     deepspeed.init_distributed(dist_backend="gloo")
     groups = ds_groups._get_local_all_to_all_group()
@@ -88,7 +89,7 @@ def setup_rank():
     upstream = load_upstream_module("runtime/comm/coalesced_collectives.py", "upstream_coalesced_collectives")
     upstream.logger.setLevel("ERROR")  # one fallback warning per tensor per call otherwise
     # 0.19.8's code runs whatever layout it computes, as the unchecked CUDA kernels would.
-    quantizers = {"ours": ContractCheckedQuantizer(ops), "upstream": ops}
+    quantizers = {"ours": ContractCheckedQuantizer(ops), "upstream": BeyondContract(ops)}
     return dist, groups, ours, upstream, quantizers
 
 

@@ -5,15 +5,17 @@
 """What one step's gradient synchronization of LLaMA-2-7B costs on a GPU cluster, modeled: the fp16
 reduce-scatter against qgZ with int4 inside the node (4/4) and with int8 inside the node (8/4).
 
-Compute: every reduce-scatter call's dispatched ops and quantizer kernels (a launch each) and the
-bytes they read and write per gradient element, as benchmarks/qgz_collectives.py counted them on its
-odd transformer-block bucket (one call per ZeRO-3 reduce bucket). Network: the bytes each rank
-sends inside its node and to other nodes, from the qgZ layout of each bucket (quantized_layout.py)
-and, for the reduce-scatter, NCCL's ring (each rank moves (W - 1) / W of the bucket; D rings, each
-crossing the network through its own NIC, so the ring runs at min(NVLink, D x NIC) per GPU). The
-qgZ stages and their two all-to-alls run one after the other; nothing overlaps.
+Compute: one rank's dispatched ops and quantizer kernels (a launch each) and the bytes they read
+and write per gradient element, counted at each modeled topology on one LLaMA-2-7B layer's
+gradients in bf16: for qgZ, the pipeline's three stages (quantized_pipeline.py) with the exchanges
+left out; for the reduce-scatter, reduce_scatter_coalesced with the collective left out. One call
+per ZeRO-3 reduce bucket. Network: the bytes each rank sends inside its node and to other nodes,
+from the qgZ layout of each bucket (quantized_layout.py) and, for the reduce-scatter, NCCL's ring
+(each rank moves (W - 1) / W of the bucket; D rings, each crossing the network through its own
+NIC, so the ring runs at min(NVLink, D x NIC) per GPU). The qgZ stages and their two all-to-alls
+run one after the other; nothing overlaps.
 
-    python benchmarks/qgz_sync_model.py [--counts benchmarks/results/qgz_collectives.json] [--out DIR]
+    python benchmarks/qgz_sync_model.py [--out DIR]
 """
 
 import argparse
@@ -32,15 +34,56 @@ LATENCY_S = 20e-6  # per collective
 NETWORKS = {"8 x 400 Gb/s NICs per node": 400e9 / 8, "8 x 100 Gb/s NICs per node": 100e9 / 8}  # per GPU
 REDUCE_BUCKET = 500_000_000  # ZeRO-3's default reduce_bucket_size, elements
 TOPOLOGIES = [(3, 8), (4, 8)]
-COUNTED_BUCKET = "block-515 (odd)"
 DTYPE = "bf16"
 METHODS = {"fp16 reduce-scatter": "rs", "qgZ 4/4": "qgz-4/4", "qgZ 8/4": "qgz-8/4"}
+INTRA_NODE_BITS = {"qgz-4/4": 4, "qgz-8/4": 8}
+
+
+def llama2_7b_layer():
+    h, ffn = 4096, 11008
+    return [(h, h)] * 4 + [(ffn, h)] * 2 + [(h, ffn)] + [(h, )] * 2
 
 
 def llama2_7b():
-    h, ffn, vocab = 4096, 11008, 32000
-    layer = [(h, h)] * 4 + [(ffn, h)] * 2 + [(h, ffn)] + [(h, )] * 2
-    return [(vocab, h)] + layer * 32 + [(h, ), (vocab, h)]
+    h, vocab = 4096, 32000
+    return [(vocab, h)] + llama2_7b_layer() * 32 + [(h, ), (vocab, h)]
+
+
+def count_work(method, num_nodes, local_world_size):
+    """{"ops", "kernel_calls", "bytes" per gradient element} of one rank's call on a LLaMA-2-7B
+    layer's gradients, the collectives left out (the network part is modeled apart)."""
+    import sys
+    from unittest import mock
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.comm.quantized_layout import DEFAULT_GROUP_SIZE
+    from deepspeed.runtime.comm.quantized_pipeline import quantized_reduce_plan, quantized_reduce_scatter
+    sys.path.insert(0, str(HERE.parent / "scripts"))
+    from qgz_harness import WorkCounter
+
+    world = num_nodes * local_world_size
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in llama2_7b_layer()]
+    work = WorkCounter()
+    if method == "rs":
+        stub = mock.Mock(get_rank=lambda group=None: 0, get_world_size=lambda group=None: world)
+        with mock.patch.object(coalesced_collectives, "dist", stub), \
+                mock.patch.object(coalesced_collectives, "_torch_reduce_scatter_fn", lambda *a, **k: None), work:
+            coalesced_collectives._reduce_scatter_coalesced(tensors)
+    else:
+        quantizer = work.counting_quantizer(
+            ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load()))
+        plan = quantized_reduce_plan(tuple(t.numel() for t in tensors), num_nodes, local_world_size,
+                                     DEFAULT_GROUP_SIZE, INTRA_NODE_BITS[method])
+        with work:
+            for start, layout in plan:
+                # the exchanges left out: what a rank receives has the shape of what it sends
+                quantized_reduce_scatter(tensors[start:start + len(layout.tensors)], layout, quantizer, lambda x: x,
+                                         lambda x: x, 0)
+    elems = sum(t.numel() for t in tensors)
+    return {"ops": work.ops, "kernel_calls": work.kernel_calls, "bytes_per_elem": work.bytes / elems}
 
 
 def buckets(shapes):
@@ -84,7 +127,7 @@ def model(counts, nic_bps, num_nodes, local_world_size):
         intra_total = inter_total = 0.0
         for bucket in buckets(llama2_7b()):
             elems = sum(math.prod(s) for s in bucket)
-            compute += (row["ops"] + row["kernel_calls"]) * LAUNCH_S + row["bytes"] / row["elems"] * elems / HBM_BPS
+            compute += (row["ops"] + row["kernel_calls"]) * LAUNCH_S + row["bytes_per_elem"] * elems / HBM_BPS
             intra, inter = network_bytes(method, bucket, num_nodes, local_world_size)
             intra_total, inter_total = intra_total + intra, inter_total + inter
             if method == "rs":
@@ -96,43 +139,51 @@ def model(counts, nic_bps, num_nodes, local_world_size):
             "network_ms": network * 1e3,
             "total_ms": (compute + network) * 1e3,
             "intra_gb": intra_total / 1e9,
-            "inter_gb": inter_total / 1e9
+            "inter_gb": inter_total / 1e9,
+            "ops": row["ops"],
+            "kernel_calls": row["kernel_calls"],
+            "bytes_per_elem": row["bytes_per_elem"]
         }
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--counts", default=str(HERE / "results" / "qgz_collectives.json"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    results = json.loads(Path(args.counts).read_text())["results"]
-    counts = {r["method"]: r for r in results if r["bucket"] == COUNTED_BUCKET and r["dtype"] == DTYPE}
     params = sum(math.prod(s) for s in llama2_7b())
     lines = [
         f"LLaMA-2-7B ({params / 1e9:.2f}B gradient elements, {len(buckets(llama2_7b()))} reduce buckets of at most "
         f"{REDUCE_BUCKET / 1e6:.0f}M), {DTYPE} gradients, one step's gradient synchronization per GPU. Assumed: "
         f"{LAUNCH_S * 1e6:.0f} us per launch, HBM {HBM_BPS / 1e12:.1f} TB/s, NVLink {NVLINK_BPS / 1e9:.0f} GB/s per "
-        f"GPU and direction, {LATENCY_S * 1e6:.0f} us per collective, one NIC per GPU; ops, kernels and bytes "
-        f"touched per element as counted on the '{COUNTED_BUCKET}' bucket; the fp16 reduce-scatter as NCCL's ring "
-        "at min(NVLink, 8 NICs) per GPU (its inter-node bytes are not a separate phase); qgZ's phases in sequence.",
-        "", "| network | nodes x GPUs | method | compute ms | network ms | total ms | vs reduce-scatter | "
-        "GB each GPU sends inside its node | GB each GPU sends to other nodes |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|"
+        f"GPU and direction, {LATENCY_S * 1e6:.0f} us per collective, one NIC per GPU; one call per bucket, with "
+        "the ops, kernels and bytes touched per element of one rank's call counted at the topology on a layer's "
+        "gradients; the fp16 reduce-scatter as NCCL's ring at min(NVLink, 8 NICs) per GPU (its inter-node bytes "
+        "are not a separate phase); qgZ's phases in sequence.", "",
+        "| network | nodes x GPUs | method | ops + kernels per call | bytes touched per element | compute ms | "
+        "network ms | total ms | vs reduce-scatter | GB each GPU sends inside its node | "
+        "GB each GPU sends to other nodes |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     ]
+    counts = {}
+    for num_nodes, local_world_size in TOPOLOGIES:
+        counts[(num_nodes, local_world_size)] = {
+            method: count_work(method, num_nodes, local_world_size)
+            for method in METHODS.values()
+        }
     table = {}
     for network, nic_bps in NETWORKS.items():
         for num_nodes, local_world_size in TOPOLOGIES:
-            rows = model(counts, nic_bps, num_nodes, local_world_size)
+            rows = model(counts[(num_nodes, local_world_size)], nic_bps, num_nodes, local_world_size)
             table[f"{network}/{num_nodes}x{local_world_size}"] = rows
             base = rows["fp16 reduce-scatter"]["total_ms"]
             for label, row in rows.items():
                 ring = label == "fp16 reduce-scatter"
                 sent = (f"{row['intra_gb']:.2f} in the ring, both |  "
                         if ring else f"{row['intra_gb']:.2f} | {row['inter_gb']:.2f}")
-                lines.append(f"| {network} | {num_nodes}x{local_world_size} | {label} | {row['compute_ms']:.1f} | "
-                             f"{row['network_ms']:.1f} | {row['total_ms']:.1f} | {row['total_ms'] / base:.2f}x | "
-                             f"{sent} |")
+                lines.append(f"| {network} | {num_nodes}x{local_world_size} | {label} | "
+                             f"{row['ops'] + row['kernel_calls']} | {row['bytes_per_elem']:.1f} | "
+                             f"{row['compute_ms']:.1f} | {row['network_ms']:.1f} | {row['total_ms']:.1f} | "
+                             f"{row['total_ms'] / base:.2f}x | {sent} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -219,6 +219,27 @@ def load_upstream_module(relative_path: str, name: str):
     return module
 
 
+class BeyondContract:
+    """The quantizer op `ops` for running DeepSpeed 0.19.8's own calls: its grouping can make
+    quantized_reduction reduce with fewer threads than a warp, which is undefined on CUDA and which
+    the op refuses; such calls are computed by the PyTorch reference as if the shuffles read nothing
+    stale. Every call within the kernels' contract is the op's."""
+
+    def __init__(self, ops):
+        self.ops, self.Symmetric = ops, ops.Symmetric
+
+    def quantized_reduction(self, data, scales, in_groups, out_groups, num_bits, quant_type, local_world_size):
+        from deepspeed.ops.quantizer import qgz_contract, qgz_reference
+        args = (data, scales, in_groups, out_groups, num_bits, quant_type, local_world_size)
+        if qgz_contract.quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
+                                                       quant_type, local_world_size):
+            return qgz_reference.quantized_reduction_beyond_contract(*args)
+        return self.ops.quantized_reduction(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+
 class CollectiveCounter:
     """Counts a rank's collective calls and the bytes it sends to ranks inside and outside its node,
     by wrapping `all_to_all_single` in the given modules and deepspeed.comm's reduce_scatter_fn.
@@ -321,6 +342,7 @@ class WorkCounter:
     def __init__(self):
         self.ops, self.kernel_calls, self.bytes = 0, 0, 0
         self.op_names = {}  # name -> (calls, bytes)
+        self._inside_kernel = False  # a quantizer computed in PyTorch: its ops are the kernel's
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -332,7 +354,8 @@ class WorkCounter:
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
                 name = func.name()
-                if func.is_view or func.namespace == "c10d" or func.overloadpacket.__name__ in _ALLOCATIONS:
+                if (counter._inside_kernel or func.is_view or func.namespace == "c10d"
+                        or func.overloadpacket.__name__ in _ALLOCATIONS):
                     return out
                 counter.ops += 1
                 touched = _tensor_bytes(list(args) + list(kwargs.values()) + [out])
@@ -361,7 +384,11 @@ class WorkCounter:
                     return value
 
                 def call(*args):
-                    out = value(*args)
+                    counter._inside_kernel = True
+                    try:
+                        out = value(*args)
+                    finally:
+                        counter._inside_kernel = False
                     counter.kernel_calls += 1
                     touched = _tensor_bytes(list(args) + [out])
                     counter.bytes += touched
