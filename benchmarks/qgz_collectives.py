@@ -108,6 +108,7 @@ def work_worker(args):
     from qgz_harness import CollectiveCounter, WorkCounter, write_report
 
     dist, groups, ours, upstream, quantizers = setup_rank()
+    ours.quantizer_module, upstream.quantizer_module = quantizers["ours"], quantizers["upstream"]
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for bucket, shapes in buckets().items():

@@ -33,7 +33,8 @@ def test_convergence_benchmark_smoke(cpu_quantizer, tmp_path):
     summary = {r["name"]: r for r in saved["summary"]}
     assert summary["qgz-8/4"]["quantized_share"] > 0.99 and summary["off"]["quantized_share"] == 0
     assert runs["qgz-8/4"]["inter_bytes_per_step"] < 0.14 * runs["off"]["inter_bytes_per_step"]
-    assert runs["qgz-8/4"]["intra_bytes_per_step"] < 0.3 * runs["off"]["intra_bytes_per_step"]
+    # int8 inside the node: every partition's slot to each local peer, about 1.55x the fp16 reduce-scatter's
+    assert 1.4 < runs["qgz-8/4"]["intra_bytes_per_step"] / runs["off"]["intra_bytes_per_step"] < 1.6
     assert abs(summary["qgz-8/4"]["gap"]) < 0.02
     assert (tmp_path / "convergence.png").stat().st_size > 0 and (tmp_path / "convergence.md").exists()
     assert "run 2/2 qgz-8/4" in result.stdout  # progress, run by run
