@@ -286,10 +286,11 @@ def worker(args):
     import deepspeed.comm as dist
     from deepspeed.runtime.comm import coalesced_collectives as cc
     from deepspeed.runtime.zero import stage3
-    from qgz_harness import CollectiveCounter
+    from qgz_harness import CollectiveCounter, release_deepspeed_shm
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
+    release_deepspeed_shm()
     rank, world = dist.get_rank(), dist.get_world_size()
     train, val = stdlib_corpus()
     ours_reduce = stage3.all_to_all_quant_reduce

@@ -81,9 +81,10 @@ def setup_rank():
     from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm import coalesced_collectives as ours
     from deepspeed.utils import groups as ds_groups
-    from qgz_harness import BeyondContract, load_upstream_module
+    from qgz_harness import BeyondContract, load_upstream_module, release_deepspeed_shm
 
     deepspeed.init_distributed(dist_backend="gloo")
+    release_deepspeed_shm()
     groups = ds_groups._get_local_all_to_all_group()
     ops = get_accelerator().create_op_builder("QuantizerBuilder").load()
     upstream = load_upstream_module("runtime/comm/coalesced_collectives.py", "upstream_coalesced_collectives")

@@ -16,7 +16,7 @@ import deepspeed
 import deepspeed.comm as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from qgz_harness import load_upstream_module, same_bits, write_report  # noqa: E402
+from qgz_harness import load_upstream_module, release_deepspeed_shm, same_bits, write_report  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -57,6 +57,7 @@ def main():
     report = {"rank": int(os.environ["RANK"]), "failures": [], "cases": 0}
     try:
         deepspeed.init_distributed(dist_backend="gloo")
+        release_deepspeed_shm()
         differential_suite(report)
         from deepspeed.runtime.comm import coalesced_collectives as cc
         report["module"] = cc.__file__

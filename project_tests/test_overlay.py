@@ -8,11 +8,15 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
 import deepspeed_qgz
+import qgz_harness
 from qgz_harness import free_port, overlay_active
+
+SCRIPTS = Path(qgz_harness.__file__).resolve().parent
 
 pytestmark = pytest.mark.skipif(not overlay_active(), reason="DeepSpeed is patched in-tree: no overlay installed")
 
@@ -108,6 +112,8 @@ def test_first_call_logs_overlay_version_once_on_rank_0():
             "from deepspeed.utils import logger\n"
             "logger.setLevel(logging.INFO); [h.setLevel(logging.INFO) for h in logger.handlers]\n"
             "deepspeed.init_distributed(dist_backend='gloo')\n"
+            f"import sys; sys.path.insert(0, {str(SCRIPTS)!r})\n"
+            "from qgz_harness import release_deepspeed_shm; release_deepspeed_shm()\n"
             "from deepspeed.runtime.zero import stage3\n"
             "for _ in range(2): stage3.reduce_scatter_coalesced([torch.ones(4)])\n")
     out = python(code, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -28,6 +28,7 @@ else
     say "DeepSpeed tests: this repository's tests/ with a stand-in for DeepSpeed's DistributedTest"
     cp -r "$ROOT/tests" "$WORK/tests"
     cp -r "$ROOT/project_tests/deepspeed_tests_stand_in/." "$WORK/tests/"
+    export PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"  # the stand-in's qgz_harness
     mapfile -t FILES < <(cd "$WORK/tests" && find unit -name 'test_*.py' | sort)
 fi
 say "DeepSpeed tests: ${#FILES[@]} files, LOCAL_SIZE=10"

@@ -519,7 +519,7 @@ def rank_worker(dry_run):
     from deepspeed.runtime.comm import coalesced_collectives as cc
     from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
     from deepspeed.utils import groups as ds_groups
-    from qgz_harness import write_report
+    from qgz_harness import release_deepspeed_shm, write_report
     device = os.environ["QGZ_GPU_CHECK_DEVICE"]
     accelerator = get_accelerator()
     if device == "cuda":  # every rank on the one GPU, which counts as RANKS_LOCAL devices per node
@@ -528,6 +528,7 @@ def rank_worker(dry_run):
         os.environ["LOCAL_RANK"] = "0"
         torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend="gloo")
+    release_deepspeed_shm()
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = ds_groups._get_local_all_to_all_group()
     out = {"rank": rank, "collective": {}, "training": {}}

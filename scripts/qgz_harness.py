@@ -94,6 +94,26 @@ def run_world(command: Sequence[str],
         return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def release_deepspeed_shm() -> None:
+    """Unlink this rank's shared-memory buffer of DeepSpeed's CPU communication op; call on every
+    rank right after DeepSpeed initialized the process group.
+
+    On the CPU accelerator, deepspeed.init_distributed gives every process a 69 MB buffer in
+    /dev/shm named after MASTER_ADDR, MASTER_PORT and the rank (csrc/cpu/comm/shm.cpp) and never
+    unlinks it, so every world on a new port would leave world size x 69 MB in /dev/shm until the
+    machine restarts. Every rank maps every other rank's buffer before its initialization returns,
+    so after a barrier the names are no longer needed: the memory is freed when the world exits.
+    Nothing to do on other accelerators."""
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu":
+        return
+    dist.barrier()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_"
+            f"{dist.get_rank()}")
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 def write_report(report: dict) -> None:
     """A rank's side of run_world."""
     Path(os.environ["QGZ_REPORT_DIR"], f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))

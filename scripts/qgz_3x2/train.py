@@ -12,12 +12,17 @@ trained weights."""
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
 import deepspeed
 import deepspeed.comm as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from qgz_harness import release_deepspeed_shm  # noqa: E402
 
 
 class SimpleModel(torch.nn.Module):
@@ -57,6 +62,7 @@ def main():
                                           model=model,
                                           model_parameters=model.parameters(),
                                           dist_init_required=True)
+    release_deepspeed_shm()
     dtype = next(model.parameters()).dtype
     data_loader = get_data_loader(model, 256 * 32, hidden_dim, model.device, dtype)
     losses = []

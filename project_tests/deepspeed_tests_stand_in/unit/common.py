@@ -26,6 +26,7 @@ from _pytest.outcomes import Skipped
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from qgz_harness import release_deepspeed_shm  # scripts/, on PYTHONPATH (scripts/deepspeed_tests.sh)
 
 TIMEOUT_S = int(os.environ.get("DS_UNITTEST_TIMEOUT", "600"))
 
@@ -83,7 +84,7 @@ class DistributedTest:
                                        init_method=f"file://{init_file}",
                                        rank=rank,
                                        world_size=world)
-            dist.barrier()
+            release_deepspeed_shm()
         try:
             getattr(self, test_name)(**kwargs)
         except Skipped as skip:
