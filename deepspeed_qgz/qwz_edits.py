@@ -10,7 +10,30 @@ hpZ's secondary partitions, and non-trainable weights kept quantized (which are 
 once their partition holds its values). The gathered buckets are narrowed back to the
 parameters' partitions; nothing ZeRO-3 keeps or hands on changes."""
 
+import textwrap
+
 PATH = "deepspeed/runtime/zero/partition_parameters.py"
+
+
+def _at_depth(pair, depth):
+    return tuple(textwrap.indent(text, " " * depth) for text in pair)
+
+
+# A parameter kept quantized on a single rank: its padded codes narrowed to its values. The same
+# statement stands at two depths of the all-gather.
+KEPT_QUANTIZED = ('''if hasattr(param.ds_tensor, "ds_quant_scale"):
+    param.data = Init.quantizer_module.dequantize(param.ds_tensor.data,
+                                                  param.ds_tensor.ds_quant_scale,
+                                                  dtype=param.dtype).to(
+                                                      device=get_accelerator().current_device_name(),
+                                                      non_blocking=True).view(param.ds_shape)
+''', '''if hasattr(param.ds_tensor, "ds_quant_scale"):
+    param.data = Init.quantizer_module.dequantize(param.ds_tensor.data,
+                                                  param.ds_tensor.ds_quant_scale,
+                                                  dtype=param.dtype).narrow(0, 0, param.ds_numel).to(
+                                                      device=get_accelerator().current_device_name(),
+                                                      non_blocking=True).view(param.ds_shape)
+''')
 
 # (old, new) pairs, each old text found exactly once in the file.
 REPLACEMENTS = (
@@ -104,33 +127,7 @@ REPLACEMENTS = (
         ]
         return instrument_w_nvtx(torch.cat)(parts).view(param.ds_shape)
 '''),
-    # A parameter kept quantized on a single rank: its padded codes narrowed to its values.
-    ('''        if hasattr(param.ds_tensor, "ds_quant_scale"):
-            param.data = Init.quantizer_module.dequantize(param.ds_tensor.data,
-                                                          param.ds_tensor.ds_quant_scale,
-                                                          dtype=param.dtype).to(
-                                                              device=get_accelerator().current_device_name(),
-                                                              non_blocking=True).view(param.ds_shape)
-''', '''        if hasattr(param.ds_tensor, "ds_quant_scale"):
-            param.data = Init.quantizer_module.dequantize(param.ds_tensor.data,
-                                                          param.ds_tensor.ds_quant_scale,
-                                                          dtype=param.dtype).narrow(0, 0, param.ds_numel).to(
-                                                              device=get_accelerator().current_device_name(),
-                                                              non_blocking=True).view(param.ds_shape)
-'''),
-    ('''            if hasattr(param.ds_tensor, "ds_quant_scale"):
-                param.data = Init.quantizer_module.dequantize(param.ds_tensor.data,
-                                                              param.ds_tensor.ds_quant_scale,
-                                                              dtype=param.dtype).to(
-                                                                  device=get_accelerator().current_device_name(),
-                                                                  non_blocking=True).view(param.ds_shape)
-''', '''            if hasattr(param.ds_tensor, "ds_quant_scale"):
-                param.data = Init.quantizer_module.dequantize(param.ds_tensor.data,
-                                                              param.ds_tensor.ds_quant_scale,
-                                                              dtype=param.dtype).narrow(0, 0, param.ds_numel).to(
-                                                                  device=get_accelerator().current_device_name(),
-                                                                  non_blocking=True).view(param.ds_shape)
-'''),
+    *(_at_depth(KEPT_QUANTIZED, depth) for depth in (8, 12)),
     # The one-by-one quantized all-gather: the whole gathered buffer dequantized, then narrowed.
     ('''            self.__param.data = self.__quantization.backend.dequantize(self.__quantization.quantized_param,
                                                                        self.__quantization.scale_buffer,
