@@ -380,6 +380,43 @@ void quantize_group(const float* values,
     }
 }
 
+// Quantizes the fp16 input's num_groups groups, group g into output group out_group(g): the loop
+// quantize (out_group the identity) and swizzle_quant (the swizzle order) share.
+template <typename OutGroup>
+std::vector<at::Tensor> quantize_groups(const at::Tensor& input,
+                                        at::IntArrayRef output_sizes,
+                                        int64_t num_groups,
+                                        bool idle_lanes,
+                                        int num_bits,
+                                        QuantType type,
+                                        OutGroup out_group)
+{
+    const int64_t elems = input.numel() / num_groups;
+    const int64_t bytes_per_group = elems * num_bits / 8;
+    auto output = at::empty(output_sizes, input.options().dtype(at::kChar));
+    auto params = at::empty({num_groups, param_width(type)}, input.options().dtype(at::kFloat));
+    const auto* src = reinterpret_cast<const uint16_t*>(input.data_ptr<at::Half>());
+    auto* dst = output.data_ptr<int8_t>();
+    auto* params_dst = params.data_ptr<float>();
+
+    at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> values(elems);
+        for (int64_t group = begin; group < end; ++group) {
+            for (int64_t i = 0; i < elems; i += kBlock)
+                half_block_to_float(src + group * elems + i, values.data() + i);
+            const int64_t out = out_group(group);
+            quantize_group(values.data(),
+                           elems,
+                           idle_lanes,
+                           num_bits,
+                           type,
+                           dst + out * bytes_per_group,
+                           params_dst + out * param_width(type));
+        }
+    });
+    return {output, params};
+}
+
 }  // namespace
 
 std::vector<at::Tensor> quantize(at::Tensor& input, int num_groups, int num_bits, QuantType type)
@@ -404,32 +441,15 @@ std::vector<at::Tensor> quantize(at::Tensor& input, int num_groups, int num_bits
                 " threads, fewer than a warp (",
                 kWarpSize,
                 "): the CUDA kernel's warp shuffles would read lanes that do not exist");
-    const bool idle_lanes = quantize_has_idle_lanes(elems);
-    const int64_t bytes_per_group = elems * num_bits / 8;
-
     auto sizes = input.sizes().vec();
     sizes.back() /= 8 / num_bits;
-    auto output = at::empty(sizes, input.options().dtype(at::kChar));
-    auto params = at::empty({num_groups, param_width(type)}, input.options().dtype(at::kFloat));
-    const auto* src = reinterpret_cast<const uint16_t*>(input.data_ptr<at::Half>());
-    auto* dst = output.data_ptr<int8_t>();
-    auto* params_dst = params.data_ptr<float>();
-
-    at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
-        std::vector<float> values(elems);
-        for (int64_t group = begin; group < end; ++group) {
-            for (int64_t i = 0; i < elems; i += kBlock)
-                half_block_to_float(src + group * elems + i, values.data() + i);
-            quantize_group(values.data(),
-                           elems,
-                           idle_lanes,
+    return quantize_groups(input,
+                           sizes,
+                           num_groups,
+                           quantize_has_idle_lanes(elems),
                            num_bits,
                            type,
-                           dst + group * bytes_per_group,
-                           params_dst + group * param_width(type));
-        }
-    });
-    return {output, params};
+                           [](int64_t group) { return group; });
 }
 
 std::vector<at::Tensor> swizzle_quant(at::Tensor& input,
@@ -455,39 +475,23 @@ std::vector<at::Tensor> swizzle_quant(at::Tensor& input,
                 "swizzle_quant: layout outside the kernel contract");
     const int64_t elems = numel / num_groups;
     const int64_t per_stage = num_groups / (partitions * pipeline_size);
-    const bool idle_lanes = swizzle_has_idle_lanes(elems);
-    const int64_t bytes_per_group = elems * num_bits / 8;
-
-    auto output = at::empty({numel * num_bits / 8}, input.options().dtype(at::kChar));
-    auto params = at::empty({num_groups, param_width(type)}, input.options().dtype(at::kFloat));
-    const auto* src = reinterpret_cast<const uint16_t*>(input.data_ptr<at::Half>());
-    auto* dst = output.data_ptr<int8_t>();
-    auto* params_dst = params.data_ptr<float>();
-
-    at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
-        std::vector<float> values(elems);
-        for (int64_t group = begin; group < end; ++group) {
-            // The swizzle order (qgz_contract.swizzle_slot), pipeline stages outermost.
-            const int64_t partition = group / (num_groups / partitions);
-            const int64_t in_partition = group % (num_groups / partitions);
-            const int64_t slot =
-                (partition % local_world_size) * num_nodes + partition / local_world_size;
-            const int64_t out_group = ((in_partition / per_stage) * partitions + slot) * per_stage +
-                                      in_partition % per_stage;
-
-            const uint16_t* group_src = src + group * elems;
-            for (int64_t i = 0; i < elems; i += kBlock)
-                half_block_to_float(group_src + i, values.data() + i);
-            quantize_group(values.data(),
-                           elems,
-                           idle_lanes,
+    const int64_t groups_per_partition = num_groups / partitions;
+    // The swizzle order (qgz_contract.swizzle_slot), pipeline stages outermost.
+    auto out_group = [=](int64_t group) {
+        const int64_t partition = group / groups_per_partition;
+        const int64_t in_partition = group % groups_per_partition;
+        const int64_t slot =
+            (partition % local_world_size) * num_nodes + partition / local_world_size;
+        return ((in_partition / per_stage) * partitions + slot) * per_stage +
+               in_partition % per_stage;
+    };
+    return quantize_groups(input,
+                           {numel * num_bits / 8},
+                           num_groups,
+                           swizzle_has_idle_lanes(elems),
                            num_bits,
                            type,
-                           dst + out_group * bytes_per_group,
-                           params_dst + out_group * param_width(type));
-        }
-    });
-    return {output, params};
+                           out_group);
 }
 
 std::vector<at::Tensor> quantized_reduction(at::Tensor& input,
