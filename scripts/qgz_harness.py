@@ -103,12 +103,12 @@ def release_deepspeed_shm() -> None:
     unlinks it, so every world on a new port would leave world size x 69 MB in /dev/shm until the
     machine restarts. Every rank maps every other rank's buffer before its initialization returns,
     so after a barrier the names are no longer needed: the memory is freed when the world exits.
-    Nothing to do on other accelerators."""
+    On other accelerators only the barrier."""
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
+    dist.barrier()
     if get_accelerator().device_name() != "cpu":
         return
-    dist.barrier()
     name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_"
             f"{dist.get_rank()}")
     Path("/dev/shm", name).unlink(missing_ok=True)
