@@ -8,15 +8,11 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
 import deepspeed_qgz
-import qgz_harness
-from qgz_harness import free_port, overlay_active
-
-SCRIPTS = Path(qgz_harness.__file__).resolve().parent
+from qgz_harness import SCRIPTS_DIR, free_port, overlay_active
 
 pytestmark = pytest.mark.skipif(not overlay_active(), reason="DeepSpeed is patched in-tree: no overlay installed")
 
@@ -112,7 +108,7 @@ def test_first_call_logs_overlay_version_once_on_rank_0():
             "from deepspeed.utils import logger\n"
             "logger.setLevel(logging.INFO); [h.setLevel(logging.INFO) for h in logger.handlers]\n"
             "deepspeed.init_distributed(dist_backend='gloo')\n"
-            f"import sys; sys.path.insert(0, {str(SCRIPTS)!r})\n"
+            f"import sys; sys.path.insert(0, {str(SCRIPTS_DIR)!r})\n"
             "from qgz_harness import release_deepspeed_shm; release_deepspeed_shm()\n"
             "from deepspeed.runtime.zero import stage3\n"
             "for _ in range(2): stage3.reduce_scatter_coalesced([torch.ones(4)])\n")

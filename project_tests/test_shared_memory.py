@@ -9,8 +9,7 @@ gigabytes behind."""
 
 import sys
 
-import qgz_harness
-from qgz_harness import run_world
+from qgz_harness import SCRIPTS_DIR, run_world
 
 WORKER = """
 import glob, os, sys
@@ -19,7 +18,6 @@ sys.path.insert(0, {scripts!r})
 from qgz_harness import release_deepspeed_shm, write_report
 deepspeed.init_distributed(dist_backend="gloo")
 names = "/dev/shm/deepspeed_allreduce_buffer_%d_%s_%s_*" % (os.getuid(), os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
-dist.barrier()
 before = sorted(glob.glob(names))
 release_deepspeed_shm()
 dist.barrier()
@@ -32,8 +30,7 @@ write_report({{"before": len(before), "after": after, "total": sorted(set(total.
 
 
 def test_worlds_release_deepspeed_shared_memory():
-    from pathlib import Path
-    code = WORKER.format(scripts=str(Path(qgz_harness.__file__).resolve().parent))
+    code = WORKER.format(scripts=str(SCRIPTS_DIR))
     reports = run_world([sys.executable, "-c", code], num_nodes=1, local_world_size=3)
     for rank, report in enumerate(reports):
         assert report["before"] == 3, (rank, report)  # one buffer per rank while the world starts

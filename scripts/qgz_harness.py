@@ -21,6 +21,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 # The unpatched DeepSpeed to compare against, where the installed one is patched in-tree: a source
 # tree (an unpacked source distribution) whose deepspeed/ package holds upstream's files.
 UPSTREAM_ENV = "QGZ_UPSTREAM_DEEPSPEED"
+# This folder: what a fresh interpreter puts on sys.path to import this module.
+SCRIPTS_DIR = Path(__file__).resolve().parent
 
 
 def free_port() -> int:
