@@ -174,7 +174,7 @@ def study_variant(variant):
     from deepspeed.runtime.comm import quantized_pipeline
     if variant not in ("first-clamped", "clamped"):
         return contextlib.nullcontext()
-    real = quantized_pipeline._quantize_slots
+    real = quantized_pipeline._prepare_groups
 
     def clamped(*args, **kwargs):
         first = "exponent" not in kwargs  # the node sums' requantization passes their exponents
@@ -183,11 +183,11 @@ def study_variant(variant):
 
     @contextlib.contextmanager
     def patched():
-        quantized_pipeline._quantize_slots = clamped
+        quantized_pipeline._prepare_groups = clamped
         try:
             yield
         finally:
-            quantized_pipeline._quantize_slots = real
+            quantized_pipeline._prepare_groups = real
 
     return patched()
 

@@ -59,7 +59,8 @@ def count_work(method, num_nodes, local_world_size):
     from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm import coalesced_collectives
     from deepspeed.runtime.comm.quantized_layout import DEFAULT_GROUP_SIZE
-    from deepspeed.runtime.comm.quantized_pipeline import quantized_reduce_plan, quantized_reduce_scatter
+    from deepspeed.runtime.comm.quantized_pipeline import (pipeline_stages, quantized_reduce_plan,
+                                                           quantized_reduce_scatter)
     sys.path.insert(0, str(HERE.parent / "scripts"))
     from qgz_harness import WorkCounter
 
@@ -80,8 +81,8 @@ def count_work(method, num_nodes, local_world_size):
         with work:
             for start, layout in plan:
                 # the exchanges left out: what a rank receives has the shape of what it sends
-                quantized_reduce_scatter(tensors[start:start + len(layout.tensors)], layout, quantizer, lambda x: x,
-                                         lambda x: x, 0)
+                quantized_reduce_scatter(tensors[start:start + len(layout.tensors)], layout,
+                                         pipeline_stages(quantizer), lambda x: x, lambda x: x, 0)
     elems = sum(t.numel() for t in tensors)
     return {"ops": work.ops, "kernel_calls": work.kernel_calls, "bytes_per_elem": work.bytes / elems}
 

@@ -54,6 +54,48 @@ def cluster_inputs(shapes, world, dtype, seed, magnitudes=None):
              for s, m in zip(signals, magnitudes)] for _ in range(world)]
 
 
+RANGE_PATTERNS = ("mixed", "one rank far larger", "constant", "largest", "smallest")
+
+
+def range_inputs(shapes, world, dtype, seed, pattern):
+    """Every rank's tensors (on the CPU) over the dtype's whole finite range, from its smallest
+    normal to its largest value, both signs: "mixed", each rank's values spread over the range;
+    "one rank far larger", one rank near the top and the others anywhere below; "constant", every
+    tensor of a rank one value; "largest", every value +-the largest; "smallest", every rank near
+    the smallest normal."""
+    gen = torch.Generator().manual_seed(seed)
+    info = torch.finfo(dtype)
+    low, high = math.log2(info.tiny), math.log2(info.max)
+
+    def uniform(*shape, lo=0.0, hi=1.0):
+        return lo + (hi - lo) * torch.rand(*shape, generator=gen, dtype=torch.float64)
+
+    def signs(*shape):
+        return torch.randint(0, 2, shape, generator=gen).double() * 2 - 1
+
+    big = int(torch.randint(0, world, (1, ), generator=gen))
+    inputs = []
+    for rank in range(world):
+        tensors = []
+        for shape in shapes:
+            if pattern == "mixed":
+                exponents = uniform(*shape, lo=low, hi=high)
+            elif pattern == "one rank far larger":
+                exponents = uniform(*shape, lo=high -
+                                    4, hi=high) if rank == big else uniform(*shape, lo=low, hi=high - 8)
+            elif pattern == "constant":
+                exponents = uniform(1, lo=low, hi=high).expand(shape)
+            elif pattern == "largest":
+                exponents = torch.full(shape, high, dtype=torch.float64)
+            else:
+                exponents = uniform(*shape, lo=low, hi=low + 4)
+            sign = signs(1).expand(shape) if pattern == "constant" else signs(*shape)
+            values = (sign * torch.exp2(exponents)).clamp(-info.max, info.max)
+            tensors.append(values.to(dtype))
+        inputs.append(tensors)
+    return inputs
+
+
 def partition_bounds(numel, world, rank):
     chunk = math.ceil(numel / world)
     return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
@@ -79,10 +121,12 @@ def check_against_average(inputs, outputs, rank, exact_indices=(), rms_bound=Non
         if not torch.isfinite(got).all():
             problems.append(f"[{i}]: non-finite output")
             continue
+        # the floor: half a unit in the last place of the dtype's subnormals
+        floor = torch.finfo(tensor.dtype).tiny * torch.finfo(tensor.dtype).eps
         if i in exact_indices:
-            bound = 2**-6 * sum(p.abs() for p in parts) / world + 1e-30
+            bound = 2**-6 * sum(p.abs() for p in parts) / world + floor
         else:
-            bound = ERROR_BOUND * sum(p.abs().max() for p in parts) / world + exact.abs() * 2**-7 + 1e-30
+            bound = ERROR_BOUND * sum(p.abs().max() for p in parts) / world + exact.abs() * 2**-7 + floor
         err = (got - exact).abs()
         if (err > bound).any():
             j = int((err - bound).argmax())

@@ -22,7 +22,8 @@ from deepspeed.ops import op_builder
 from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
 from deepspeed.utils import logger
 from deepspeed.runtime.comm.quantized_layout import resolve_group_size, resolve_intra_node_bits
-from deepspeed.runtime.comm.quantized_pipeline import chunk_cat, quantized_reduce_plan, quantized_reduce_scatter
+from deepspeed.runtime.comm.quantized_pipeline import (chunk_cat, pipeline_stages, quantized_reduce_plan,
+                                                       quantized_reduce_scatter)
 
 
 def _torch_reduce_scatter_fn(input_tensor: Tensor, output_tensor: Tensor, group=None, async_op=False, prof=False):
@@ -135,7 +136,8 @@ def _quantized_topology(groups: Dict[str, ProcessGroup]):
 def all_to_all_quant_reduce(tensors: List[Tensor],
                             groups: Dict[str, ProcessGroup],
                             group_size: Optional[int] = None,
-                            intra_node_bits: Optional[int] = None) -> List[Tensor]:
+                            intra_node_bits: Optional[int] = None,
+                            fused: bool = False) -> List[Tensor]:
     """Quantized (ZeRO++ qgZ) drop-in for ``reduce_scatter_coalesced(tensors)`` over the world.
 
     Tensors of two or more dimensions go through one hierarchical exchange for the whole call
@@ -152,6 +154,8 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
         group_size: the largest quantization group, in values (quantized_layout.resolve_group_size).
         intra_node_bits: 4 or 8, the precision of the intra-node exchange
             (quantized_layout.resolve_intra_node_bits).
+        fused: run the three stages as fused Triton kernels (quantized_fused.py): one launch each,
+            the same results bit for bit, on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1).
 
     Returns:
         For each tensor, rank r's elements [r * C, min((r + 1) * C, numel)) of the average over
@@ -163,8 +167,8 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
     Raises:
         ValueError: before any collective, for mixed dtypes or devices, an unsupported dtype, a
             world size that is not a multiple of the accelerator's device count, a missing or
-            mis-sized group, an invalid group size or precision, or a tensor too large for the
-            kernels; each names the values.
+            mis-sized group, an invalid group size or precision, a tensor too large for the
+            kernels, or fused kernels that cannot run here; each names the values.
     """
     if not tensors:
         return []
@@ -180,7 +184,10 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
         num_nodes, local_world_size, local_group, global_group = _quantized_topology(groups)
         plan = quantized_reduce_plan(tuple(tensors[i].numel() for i in quantized), num_nodes, local_world_size,
                                      group_size, intra_node_bits)
-        quantizer = _get_quantizer_module()
+        if fused:
+            from deepspeed.runtime.comm.quantized_fused import require_fused
+            require_fused(tensors[0].device)
+        stages = pipeline_stages(None if fused else _get_quantizer_module(), fused)
 
     outputs: List[Tensor] = [t.new_empty(0) if t.numel() == 0 else None for t in tensors]
     stats = QuantizedReduceStats(calls=1)
@@ -192,7 +199,7 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
     if quantized:
         for start, layout in plan:
             run = quantized[start:start + len(layout.tensors)]
-            results = quantized_reduce_scatter([tensors[i] for i in run], layout, quantizer,
+            results = quantized_reduce_scatter([tensors[i] for i in run], layout, stages,
                                                lambda slots: _all_to_all(slots, local_group, local_world_size),
                                                lambda slots: _all_to_all(slots, global_group, num_nodes),
                                                dist.get_rank())

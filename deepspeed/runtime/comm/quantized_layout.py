@@ -48,6 +48,14 @@ that the intra-node all-to-all carries (``world`` slots per rank, every partitio
 swizzle order), and ``inter``, the int4 codes of the node sums that the inter-node all-to-all
 carries (``num_nodes`` slots per rank). At 8 bits a group's scale takes half as many code bytes'
 worth of a group, so the two formats have different numbers of scale groups.
+
+A scale is fp32 whatever the gradients' dtype, and a node sum can reach ``local_world_size`` times
+the dtype's largest value: for bf16 and fp32 gradients more than an fp32 scale holds once a node has
+more than 4 ranks. So the ``inter`` slots carry each node sum's scale divided by
+``2**inter_scale_shift`` (0 up to 4 ranks per node, then 1 up to 8, 2 up to 16, ...), which keeps
+every node sum of finite gradients representable; the receiving side multiplies it back. The
+shift is a power of two, exact wherever the shifted scale stays a normal fp32 number, so it costs
+nothing above 2**-120 or so.
 """
 
 import math
@@ -226,6 +234,12 @@ class QuantizedReduceLayout:
     def inter(self) -> SlotFormat:
         """The slots of the inter-node exchange (int4 node sums)."""
         return SlotFormat(INTER_NODE_BITS, self.group_elems, self.groups_per_partition)
+
+    @property
+    def inter_scale_shift(self) -> int:
+        """The ``inter`` slots' scales are the node sums' divided by 2**inter_scale_shift (see the
+        module docstring): the smallest shift with local_world_size / 2**shift <= 4."""
+        return max(0, (self.local_world_size - 1).bit_length() - 2)
 
     @property
     def intra_node_bytes(self) -> int:

@@ -8,18 +8,20 @@ The stages of the quantized gradient reduce-scatter (ZeRO++ qgZ) for one rank.
 ``all_to_all_quant_reduce`` (coalesced_collectives.py) runs them around its two all-to-alls; a
 simulated cluster (quantized_simulation.py) runs them for every rank in one process. Each stage
 takes the call's layout (quantized_layout.py) and the quantizer op and runs one kernel per step for
-all tensors of the call:
+all tensors of the call (a dequantize per chunk where a large call is summed in chunks); each has a
+fused twin (quantized_fused.py, ``fused=True``): one Triton launch doing the stage's kernels and
+glue, with the same bits:
 
-====================  ==============================  ===========================================
-stage                 intra_node_bits = 4             intra_node_bits = 8
-====================  ==============================  ===========================================
-quantize_partitions   swizzle_quant, 4 bits           swizzle_quant, 8 bits
+====================  ============================  ==========================================  ==========
+stage                 intra_node_bits = 4           intra_node_bits = 8                         fused
+====================  ============================  ==========================================  ==========
+quantize_partitions   swizzle_quant, 4 bits         swizzle_quant, 8 bits                       one launch
 (intra-node all-to-all)
-reduce_within_node    quantized_reduction, 4 bits     dequantize (8 bits), an exact sum, then
-                                                      swizzle_quant, 4 bits
+reduce_within_node    quantized_reduction, 4 bits   dequantize (8 bits), an exact sum, then     one launch
+                                                    swizzle_quant, 4 bits
 (inter-node all-to-all)
-average_across_nodes  dequantize, 4 bits              dequantize, 4 bits
-====================  ==============================  ===========================================
+average_across_nodes  dequantize, 4 bits            dequantize, 4 bits                          one launch
+====================  ============================  ==========================================  ==========
 
 Numerics the stages share:
 
@@ -37,11 +39,24 @@ Numerics the stages share:
   largest code plus one for a positive value (+8 at int4) and clamp it (to 7), but a negative one
   to the smallest code (-8) exactly, so a group whose largest magnitude is positive is negated for
   the kernel and its scale negated back. quantized_reduction requantizes with the kernel's formula.
+
+The range contract: finite gradients never give NaN, and a result is finite wherever the exact
+average is (it saturates at the dtype's largest value instead of rounding to inf). Every power of
+two folded into a scale is applied to it in fp64 and the product rounded once to fp32, so a fold
+beyond fp32's range cannot overflow on its own; the node sums' scales travel shifted
+(``QuantizedReduceLayout.inter_scale_shift``) so they stay within fp32; the last conversion into
+the result's dtype saturates.
+
+Memory: wherever the glue dequantizes several copies of a group to sum them (stage 1 with int8
+inside the node, stage 2), it works through the slots' groups in chunks (``sum_chunks``), so its
+fp16 and fp64 temporaries stay a bounded share of the call; stage 1 writes each chunk's node sums
+straight into the fp16 buffer its int4 quantization reads; values are rescaled in place and
+converted to fp16 in place; each buffer is freed as soon as the next holds its data.
 """
 
 import math
-from functools import lru_cache
-from typing import Callable, List, Optional, Sequence, Tuple
+from functools import lru_cache, partial
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -52,6 +67,12 @@ from deepspeed.runtime.comm.quantized_layout import (QuantizedReduceLayout, Slot
 
 # Powers of two are applied as fp32 factors, which must stay normal numbers.
 _MAX_EXPONENT = 126
+
+# A stage that sums dequantized copies of groups does so in chunks of at least CHUNK_VALUES of the
+# copies' values (each costs about 10 to 17 bytes of temporaries per value: its fp16 values, their
+# fp64 cast and sums) and in at most MAX_CHUNKS chunks.
+CHUNK_VALUES = 1 << 20
+MAX_CHUNKS = 16
 
 
 def chunk_cat(pieces: Sequence[Tensor], out: Tensor) -> None:
@@ -79,6 +100,20 @@ def binary_exponent(magnitude: Tensor) -> Tensor:
     return torch.frexp(finite).exponent.clamp_(-_MAX_EXPONENT, _MAX_EXPONENT)
 
 
+def power_of_two(exponent: Tensor) -> Tensor:
+    """2**exponent as fp64, built from its bits (exact), for integer exponents in [-1022, 1023]."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def saturate(values: Tensor) -> Tensor:
+    """`values` (a result in its dtype) with every +-inf replaced by the dtype's largest finite
+    value, in place; NaN stays NaN. The pipeline's results are computed in fp64 and rounded to the
+    dtype, and only a finite value beyond its range rounds to inf: non-finite gradients travel as
+    NaN scales, never as inf."""
+    largest = torch.finfo(values.dtype).max
+    return values.clamp_(-largest, largest)
+
+
 def _summing_exponent(magnitudes: Tensor) -> Tensor:
     """For the scale magnitudes of `magnitudes.shape[0]` copies of each group: the exponent e that
     brings each scaled copy below 2**-h, 2**h >= 2 * copies, so any sum over the copies of values
@@ -87,63 +122,65 @@ def _summing_exponent(magnitudes: Tensor) -> Tensor:
     return binary_exponent(magnitudes.amax(dim=0)) + (2 * copies - 1).bit_length()
 
 
-def _quantize_slots(values: Tensor,
-                    fmt: SlotFormat,
-                    num_nodes: int,
-                    local_world_size: int,
-                    quantizer,
+def _prepare_groups(groups: Tensor,
+                    out: Tensor,
                     exponent: Optional[Tensor] = None,
                     clamp_free: bool = False) -> Tensor:
-    """One swizzle_quant of `values` ([P, slot_elems], P = num_nodes * local_world_size padded
-    partitions in rank order, each followed by zeros for its scale groups) into [P, slot_bytes]
-    int8 slots in the swizzle order, with each slot's scales written into its scale groups.
+    """Writes `groups` ([..., group_elems] values) into `out` (the same shape in fp16) as the
+    kernels are to quantize them, and returns each group's fold ([...], fp64): what its kernel
+    parameter is to be multiplied by to give its scale.
 
-    Args:
-        values: fp16 values go to the kernel as they are (scaled in place if clamp_free); bf16 is
-            rewritten as fp16 in place; other dtypes are copied into an fp16 buffer.
-        exponent: [P, groups_per_partition] powers of two the values were divided by (folded
-            into the scales), or None.
-        clamp_free: negate each group whose largest magnitude is positive for the kernel.
+    fp16 values are taken as they are; bf16, fp32 and fp64 groups are divided by the power of two
+    that brings their largest magnitude into [0.5, 1) (exact), and the fold holds it. With
+    `clamp_free` a group whose largest magnitude is positive is negated, and the fold negative.
+    `exponent` ([...], the powers of two the values were already divided by) goes into the fold
+    too. The fold is 0 for a group of zeros and NaN for a group holding an inf or NaN.
+
+    fp16, bf16 and fp32 groups are rescaled in place and then converted into `out`, which may be
+    the same memory (written element by element), so no temporary of their size is made. fp64
+    groups (stage 1's exact sums) stand for their fp32 roundings: the statistics are the rounded
+    values', and rounding the rescaled value through fp32, as the conversion to fp16 does, gives
+    the same as rounding first (a power of two commutes with rounding).
     """
-    dtype = values.dtype
-    smallest, largest = torch.aminmax(fmt.data_groups(values), dim=-1)
+    smallest, largest = torch.aminmax(groups, dim=-1)
+    if groups.dtype == torch.float64:
+        smallest, largest = smallest.float(), largest.float()
     absmax = torch.maximum(largest, -smallest)  # NaN if a group holds one
-    factors, scale_exponent = None, exponent
-    if dtype != torch.float16:
+    factors, fold_exponent = None, exponent
+    if groups.dtype != torch.float16:
         own = binary_exponent(absmax)
         factors = torch.pow(0.5, own)
-        scale_exponent = own if exponent is None else own + exponent
+        fold_exponent = own if exponent is None else own + exponent
     sign = None
     if clamp_free:
         sign = torch.where(largest > -smallest, -1.0, 1.0)
         factors = sign if factors is None else factors * sign
-    if factors is not None:
-        # powers of two and signs, exact in the values' dtype (so the product is computed there)
-        factors = torch.nn.functional.pad(factors, (0, fmt.scale_groups), value=1.0).to(dtype).unsqueeze(-1)
-        if dtype == torch.float16:
-            fp16 = values
-        elif dtype == torch.bfloat16:
-            fp16 = values.view(torch.float16)  # same width: rewritten element by element
-        else:
-            fp16 = torch.empty(values.shape, dtype=torch.float16, device=values.device)
-        torch.mul(fmt.grouped(values), factors, out=fmt.grouped(fp16))
-        values = fp16
-    data, scales = quantizer.swizzle_quant(values.view(-1), values.shape[0] * fmt.slot_groups, fmt.bits,
-                                           quantizer.Symmetric, 1, num_nodes, local_world_size)
-    data = data.view(values.shape[0], fmt.slot_bytes)
-    scales = scales.view(local_world_size, num_nodes, fmt.slot_groups)[..., :fmt.groups_per_partition]
-
-    # per group: 0 for only zeros (the kernel stores 1), the folded powers of two and sign, NaN if non-finite
-    fold = (absmax > 0).float()
-    if scale_exponent is not None:
-        fold = fold * torch.pow(2.0, scale_exponent)
+    if factors is not None and groups.dtype == torch.float64:
+        torch.mul(groups, factors.unsqueeze(-1), out=out)
+    else:
+        if factors is not None:
+            # powers of two and signs: exact in the values' dtype (a product leaving its normal
+            # range is rounded as it would be when computed in that dtype)
+            groups.mul_(factors.to(groups.dtype).unsqueeze(-1))
+        if out.data_ptr() != groups.data_ptr() or out.dtype != groups.dtype:
+            out.copy_(groups)
+    fold = (absmax > 0).double()
+    if fold_exponent is not None:
+        fold = fold * power_of_two(fold_exponent)
     if sign is not None:
         fold = fold * sign
-    fold = torch.where(absmax < math.inf, fold, math.nan)
-    torch.mul(scales,
+    return torch.where(absmax < math.inf, fold, math.nan)
+
+
+def _store_scales(data: Tensor, params: Tensor, fold: Tensor, fmt: SlotFormat, num_nodes: int,
+                  local_world_size: int) -> None:
+    """Writes each slot's scales into its scale groups: the kernel's parameters ([P * slot_groups,
+    1] in slot order, from a swizzle_quant of P = num_nodes * local_world_size padded partitions)
+    times the folds ([P, groups_per_partition] in partition order), rounded once to fp32."""
+    params = params.view(local_world_size, num_nodes, fmt.slot_groups)[..., :fmt.groups_per_partition]
+    torch.mul(params,
               to_slot_order(fold, num_nodes, local_world_size),
               out=fmt.scales(data).view(local_world_size, num_nodes, -1))
-    return data
 
 
 def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, quantizer) -> Tensor:
@@ -151,7 +188,8 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
 
     Copies every tensor's partitions, and zeros for the padding and the scale groups, into one
     [world, slot_elems] buffer (one chunk_cat) and quantizes all of it, clamp-free, with one
-    swizzle_quant at the layout's intra-node precision.
+    swizzle_quant at the layout's intra-node precision. fp16 is quantized in that buffer, bf16
+    rewritten there as fp16 in place, fp32 copied into an fp16 buffer.
 
     Args:
         tensors: this rank's gradients (one dtype, one device), as laid out by `layout`.
@@ -162,6 +200,7 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
         [world, intra slot_bytes] int8 slots, in the kernels' swizzle order (qgz_contract.swizzle_slot).
     """
     fmt, world = layout.intra, layout.world_size
+    num_nodes, local_world_size = layout.num_nodes, layout.local_world_size
     dtype, device = tensors[0].dtype, tensors[0].device
     scale_elems = fmt.scale_groups * fmt.group_elems
     zeros = torch.zeros(world * max([scale_elems] + [layout.padding(i) for i in range(len(tensors))]),
@@ -176,7 +215,51 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
     values = torch.empty(world, fmt.slot_elems, dtype=dtype, device=device)
     chunk_cat(pieces, values)
     del zeros, pieces
-    return _quantize_slots(values, fmt, layout.num_nodes, layout.local_world_size, quantizer, clamp_free=True)
+    if dtype == torch.float16:
+        fp16 = values
+    elif dtype == torch.bfloat16:
+        fp16 = values.view(torch.float16)  # same width: rewritten element by element
+    else:
+        fp16 = torch.empty(values.shape, dtype=torch.float16, device=device)
+        fmt.grouped(fp16)[..., fmt.groups_per_partition:, :].zero_()  # the scale groups
+    fold = _prepare_groups(fmt.data_groups(values), fmt.data_groups(fp16), clamp_free=True)
+    del values
+    data, params = quantizer.swizzle_quant(fp16.view(-1), world * fmt.slot_groups, fmt.bits, quantizer.Symmetric, 1,
+                                           num_nodes, local_world_size)
+    del fp16
+    data = data.view(world, fmt.slot_bytes)
+    _store_scales(data, params, fold, fmt, num_nodes, local_world_size)
+    return data
+
+
+def sum_chunks(fmt: SlotFormat, copies: int) -> Tuple[Tuple[int, int], ...]:
+    """The ranges [first, stop) of a slot's groups that a stage dequantizes and sums at once from
+    `copies` slots of `fmt`. One chunk when the copies hold at most CHUNK_VALUES values: every group
+    of the slot, scale groups included (their parameters are 0, so they dequantize to zeros), which
+    is the whole received buffer, read as it is. Otherwise the groups of the padded partition in
+    chunks of at least CHUNK_VALUES values and at most MAX_CHUNKS of them, each copied out of the
+    received buffer first."""
+    if copies * fmt.slot_elems <= CHUNK_VALUES:
+        return ((0, fmt.slot_groups), )
+    groups = fmt.groups_per_partition
+    per_chunk = max(-(-groups // MAX_CHUNKS), -(-CHUNK_VALUES // (copies * fmt.group_elems)))
+    return tuple((first, min(first + per_chunk, groups)) for first in range(0, groups, per_chunk))
+
+
+def _summed_chunks(slots: Tensor, params: Tensor, fmt: SlotFormat, quantizer):
+    """For each chunk of sum_chunks: (first, stop, the exact fp64 sums over the copies of the
+    chunk's data groups, [..., stop - first, group_elems]). `slots` is [copies, ..., slot_bytes]
+    int8 and `params` its kernel parameters, [copies, ..., slot_groups]; one dequantize per chunk."""
+    copies = slots.shape[:-1].numel()
+    for first, stop in sum_chunks(fmt, copies):
+        values = quantizer.dequantize(slots[..., first * fmt.group_bytes:stop * fmt.group_bytes],
+                                      params[..., first:stop].reshape(-1, 1), copies * (stop - first), fmt.bits,
+                                      quantizer.Symmetric)
+        data_stop = min(stop, fmt.groups_per_partition)  # the scale groups' zeros are not summed
+        values = values.view(*slots.shape[:-1], stop - first, fmt.group_elems)[..., :data_stop - first, :]
+        sums = values.sum(dim=0, dtype=torch.float64)
+        del values
+        yield first, data_stop, sums
 
 
 def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout, quantizer) -> Tensor:
@@ -186,9 +269,11 @@ def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout, quantize
     two per (node, group), folded back into the output scales, so no sum of dequantized values
     overflows fp16. At 4 bits one quantized_reduction sums in fp16 and requantizes; its sums then
     stay below half the largest code, so the scale it stores is below 1 except for an all-zero
-    group (1): that one is written as 0. At 8 bits one dequantize, an exact sum and one
-    swizzle_quant (clamp-free) do the same with an int8 intra-node exchange. A group with a NaN or
-    inf scale from any local rank gets a NaN scale.
+    group (1): that one is written as 0. At 8 bits a dequantize and an exact sum per chunk of groups
+    (sum_chunks), each chunk's sums rescaled straight into one fp16 buffer, and one swizzle_quant of
+    it (clamp-free) do the same with an int8 intra-node exchange. A group with a NaN or inf scale
+    from any local rank gets a NaN scale. The output scales are shifted by the layout's
+    inter_scale_shift.
 
     Args:
         received: [local_world_size * num_nodes, intra slot_bytes] int8, the intra-node
@@ -206,40 +291,48 @@ def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout, quantize
     scales = intra.scales(slots)  # [D, N, groups per partition]
     exponent = _summing_exponent(scales.abs())  # [N, groups per partition]
     normalized = scales * torch.pow(0.5, exponent)
+    shifted = exponent - layout.inter_scale_shift
     if intra.bits == 8:
-        values = quantizer.dequantize(slots.view(-1), intra.kernel_params(normalized),
-                                      local_world_size * num_nodes * intra.slot_groups, intra.bits,
-                                      quantizer.Symmetric)
-        # each buffer is released as soon as the next one holds what is needed of it
-        sums = intra.data_groups(values.view(local_world_size, num_nodes, -1)).sum(dim=0, dtype=torch.float64)
-        del values
-        node_sums = torch.zeros(num_nodes, inter.slot_elems, dtype=torch.float32, device=received.device)
-        inter.data_groups(node_sums).copy_(sums)
-        del sums
-        return _quantize_slots(node_sums, inter, num_nodes, 1, quantizer, exponent=exponent, clamp_free=True)
+        params = intra.kernel_params(normalized).view(local_world_size, num_nodes, intra.slot_groups)
+        node_values = torch.empty(num_nodes, inter.slot_elems, dtype=torch.float16, device=received.device)
+        inter.grouped(node_values)[:, inter.groups_per_partition:, :].zero_()  # the scale groups
+        fold = torch.empty(num_nodes, inter.groups_per_partition, dtype=torch.float64, device=received.device)
+        for first, stop, sums in _summed_chunks(slots, params, intra, quantizer):
+            fold[:, first:stop] = _prepare_groups(sums,
+                                                  inter.grouped(node_values)[:, first:stop],
+                                                  exponent=shifted[:, first:stop],
+                                                  clamp_free=True)
+            del sums
+        data, out_params = quantizer.swizzle_quant(node_values.view(-1), num_nodes * inter.slot_groups, inter.bits,
+                                                   quantizer.Symmetric, 1, num_nodes, 1)
+        del node_values
+        data = data.view(num_nodes, inter.slot_bytes)
+        _store_scales(data, out_params, fold, inter, num_nodes, 1)
+        return data
 
     finite = (scales.abs() < math.inf).all(dim=0)
     out_groups = num_nodes * intra.slot_groups
-    data, out_scales = quantizer.quantized_reduction(slots.view(-1),
+    data, out_params = quantizer.quantized_reduction(slots.view(-1),
                                                      intra.kernel_params(torch.where(finite, normalized, 0.0)),
                                                      local_world_size * out_groups, out_groups, intra.bits,
                                                      quantizer.Symmetric, local_world_size)
     data = data.view(num_nodes, inter.slot_bytes)
-    out_scales = out_scales.view(num_nodes, inter.slot_groups)[:, :inter.groups_per_partition]
-    fold = torch.where(out_scales < 1, torch.pow(2.0, exponent), 0.0)
-    torch.mul(out_scales, torch.where(finite, fold, math.nan), out=inter.scales(data))
+    out_params = out_params.view(num_nodes, inter.slot_groups)[:, :inter.groups_per_partition]
+    fold = torch.where(out_params < 1, power_of_two(shifted), 0.0)
+    torch.mul(out_params, torch.where(finite, fold, math.nan), out=inter.scales(data))
     return data
 
 
 def average_across_nodes(received: Tensor, layout: QuantizedReduceLayout, quantizer, dtype: torch.dtype) -> Tensor:
-    """Stage 2: dequantize the node sums of this rank's padded partition (one dequantize), add
-    them (exactly) and divide by the world size.
+    """Stage 2: dequantize the node sums of this rank's padded partition, add them (exactly) and
+    divide by the world size; a dequantize and an exact sum per chunk of groups (sum_chunks).
 
     fp16: the scales are divided by the world size before dequantizing, so the kernel's fp16
     output is each node's share of the average and the sum of the shares is the result (an fp16
     average of fp16 gradients cannot overflow). bf16 and fp32, whose averages can leave fp16's
     range: the scales are brought near 1 by a common power of two per group, and the factor (over
-    the world size) is applied to the node sum, straight into the result's dtype.
+    the world size) is applied to the node sum, straight into the result's dtype. Either way the
+    result saturates at the dtype's largest value.
 
     Args:
         received: [num_nodes, inter slot_bytes] int8, the inter-node exchange's result (one node
@@ -251,37 +344,66 @@ def average_across_nodes(received: Tensor, layout: QuantizedReduceLayout, quanti
     Returns:
         [padded_partition] in `dtype`: this rank's padded partition of the average.
     """
-    num_nodes, world, fmt = layout.num_nodes, layout.world_size, layout.inter
+    num_nodes, world, fmt, shift = layout.num_nodes, layout.world_size, layout.inter, layout.inter_scale_shift
     slots = received.view(num_nodes, fmt.slot_bytes)
     scales = fmt.scales(slots)  # [N, groups per partition]
+    average = torch.empty(fmt.groups_per_partition, fmt.group_elems, dtype=dtype, device=received.device)
     if dtype == torch.float16:
-        values = quantizer.dequantize(slots.view(-1), fmt.kernel_params(scales / world), num_nodes * fmt.slot_groups,
-                                      fmt.bits, quantizer.Symmetric)
-        shares = fmt.data_groups(values.view(num_nodes, -1)).sum(dim=0, dtype=torch.float64)
-        return shares.view(-1).to(dtype)
+        shares = scales / world
+        if shift:
+            shares *= 2**shift
+        params = fmt.kernel_params(shares).view(num_nodes, fmt.slot_groups)
+        for first, stop, sums in _summed_chunks(slots, params, fmt, quantizer):
+            average[first:stop].copy_(sums)
+            del sums
+        return saturate(average.view(-1))
     exponent = binary_exponent(torch.nan_to_num(scales.abs(), nan=0.0, posinf=0.0).amax(dim=0))  # of the finite scales
-    values = quantizer.dequantize(slots.view(-1), fmt.kernel_params(scales * torch.pow(0.5, exponent)),
-                                  num_nodes * fmt.slot_groups, fmt.bits, quantizer.Symmetric)
-    node_sum = fmt.data_groups(values.view(num_nodes, -1)).sum(dim=0, dtype=torch.float64)  # [groups, group_elems]
-    average = torch.empty(layout.padded_partition, dtype=dtype, device=received.device)
-    torch.mul(node_sum, (torch.pow(2.0, exponent) / world).unsqueeze(-1), out=average.view(node_sum.shape))
-    return average
+    params = fmt.kernel_params(scales * torch.pow(0.5, exponent)).view(num_nodes, fmt.slot_groups)
+    factor = torch.pow(2.0, exponent) / world
+    if shift:
+        factor = factor.double() * 2**shift
+    factor = factor.unsqueeze(-1)
+    for first, stop, sums in _summed_chunks(slots, params, fmt, quantizer):
+        torch.mul(sums, factor[first:stop], out=average[first:stop])
+        del sums
+    return saturate(average.view(-1))
 
 
-def quantized_reduce_scatter(tensors: List[Tensor], layout: QuantizedReduceLayout, quantizer,
+class QuantizedStages(NamedTuple):
+    """The three stages as callables: quantize_partitions(tensors, layout) -> intra slots,
+    reduce_within_node(received, layout) -> inter slots, average_across_nodes(received, layout,
+    dtype=...) -> the padded partition of the average."""
+    quantize_partitions: Callable
+    reduce_within_node: Callable
+    average_across_nodes: Callable
+
+
+def pipeline_stages(quantizer, fused: bool = False) -> QuantizedStages:
+    """The stages on `quantizer` (the quantizer op module) with the glue of this module, or with
+    `fused` the fused Triton kernels of quantized_fused.py (same bits; `quantizer` is not used)."""
+    if fused:
+        from deepspeed.runtime.comm import quantized_fused
+        return QuantizedStages(quantized_fused.quantize_partitions, quantized_fused.reduce_within_node,
+                               quantized_fused.average_across_nodes)
+    return QuantizedStages(partial(quantize_partitions, quantizer=quantizer),
+                           partial(reduce_within_node, quantizer=quantizer),
+                           partial(average_across_nodes, quantizer=quantizer))
+
+
+def quantized_reduce_scatter(tensors: List[Tensor], layout: QuantizedReduceLayout, stages: QuantizedStages,
                              intra_node_exchange: Callable[[Tensor], Tensor],
                              inter_node_exchange: Callable[[Tensor], Tensor], rank: int) -> List[Tensor]:
     """The qgZ pipeline for one rank: stage 0, intra-node exchange, stage 1, inter-node exchange,
-    stage 2. The exchanges are passed in (all-to-alls over the node's and the local rank's groups,
-    or a simulated cluster's permutations).
+    stage 2. The stages (pipeline_stages) and the exchanges (all-to-alls over the node's and the
+    local rank's groups, or a simulated cluster's permutations) are passed in.
 
     Returns:
         rank `rank`'s partition of each tensor's average, views of one buffer in the input dtype.
     """
     # no stage keeps the buffers of the stages before it
-    received = intra_node_exchange(quantize_partitions(tensors, layout, quantizer))
-    received = inter_node_exchange(reduce_within_node(received, layout, quantizer))
-    average = average_across_nodes(received, layout, quantizer, tensors[0].dtype)
+    received = intra_node_exchange(stages.quantize_partitions(tensors, layout))
+    received = inter_node_exchange(stages.reduce_within_node(received, layout))
+    average = stages.average_across_nodes(received, layout, dtype=tensors[0].dtype)
     return layout.partitions(average, rank)
 
 
@@ -293,16 +415,18 @@ def planned_kernel_calls(layout: QuantizedReduceLayout) -> List[Tuple[str, tuple
     calls = [("swizzle_quant", (world * intra.slot_elems, world * intra.slot_groups, intra.bits, 1, num_nodes,
                                 local_world_size))]
     if intra.bits == 8:
-        calls += [("dequantize", (world * intra.slot_bytes, world * intra.slot_groups, world * intra.slot_groups,
-                                  intra.bits, symmetric, 2)),
-                  ("swizzle_quant", (num_nodes * inter.slot_elems, num_nodes * inter.slot_groups, inter.bits, 1,
-                                     num_nodes, 1))]
+        for first, stop in sum_chunks(intra, world):
+            groups = world * (stop - first)
+            calls.append(("dequantize", (groups * intra.group_bytes, groups, groups, intra.bits, symmetric, 2)))
+        calls.append(("swizzle_quant", (num_nodes * inter.slot_elems, num_nodes * inter.slot_groups, inter.bits, 1,
+                                        num_nodes, 1)))
     else:
         calls.append(
             ("quantized_reduction", (world * intra.slot_bytes, world * intra.slot_groups, world * intra.slot_groups,
                                      num_nodes * intra.slot_groups, intra.bits, symmetric, local_world_size)))
-    calls.append(("dequantize", (num_nodes * inter.slot_bytes, num_nodes * inter.slot_groups,
-                                 num_nodes * inter.slot_groups, inter.bits, symmetric, 2)))
+    for first, stop in sum_chunks(inter, num_nodes):
+        groups = num_nodes * (stop - first)
+        calls.append(("dequantize", (groups * inter.group_bytes, groups, groups, inter.bits, symmetric, 2)))
     return calls
 
 

@@ -18,8 +18,7 @@ import torch
 
 from deepspeed.runtime.comm import coalesced_collectives as cc
 from deepspeed.runtime.comm.quantized_layout import QuantizedReduceLayout, resolve_group_size, resolve_intra_node_bits
-from deepspeed.runtime.comm.quantized_pipeline import (average_across_nodes, quantize_partitions,
-                                                       quantized_reduce_plan, reduce_within_node)
+from deepspeed.runtime.comm.quantized_pipeline import QuantizedStages, pipeline_stages, quantized_reduce_plan
 
 
 def simulate_all_to_all_quant_reduce(
@@ -28,12 +27,14 @@ def simulate_all_to_all_quant_reduce(
         local_world_size: int,
         quantizer=None,
         group_size: Optional[int] = None,
-        intra_node_bits: Optional[int] = None) -> Tuple[List[List[torch.Tensor]], List[QuantizedReduceLayout]]:
+        intra_node_bits: Optional[int] = None,
+        fused: bool = False) -> Tuple[List[List[torch.Tensor]], List[QuantizedReduceLayout]]:
     """Args:
         inputs: inputs[r] is rank r's list of tensors (two or more dimensions, the same shapes on
             every rank), for the num_nodes x local_world_size ranks in rank order.
-        quantizer: the quantizer op module (default: the one all_to_all_quant_reduce loads).
-        group_size, intra_node_bits: as all_to_all_quant_reduce's.
+        quantizer: the quantizer op module (default: the one all_to_all_quant_reduce loads; not
+            used with `fused`).
+        group_size, intra_node_bits, fused: as all_to_all_quant_reduce's.
 
     Returns:
         (outputs, layouts): outputs[r] is rank r's list of results, as all_to_all_quant_reduce's;
@@ -42,26 +43,30 @@ def simulate_all_to_all_quant_reduce(
     world = num_nodes * local_world_size
     if len(inputs) != world:
         raise ValueError(f"expected inputs for {num_nodes} x {local_world_size} = {world} ranks, got {len(inputs)}")
-    quantizer = cc._get_quantizer_module() if quantizer is None else quantizer
     plan = quantized_reduce_plan(tuple(t.numel() for t in inputs[0]), num_nodes, local_world_size,
                                  resolve_group_size(group_size), resolve_intra_node_bits(intra_node_bits))
+    if fused:
+        from deepspeed.runtime.comm.quantized_fused import require_fused
+        require_fused(inputs[0][0].device)
+        stages = pipeline_stages(None, fused=True)
+    else:
+        stages = pipeline_stages(cc._get_quantizer_module() if quantizer is None else quantizer)
     outputs = [[] for _ in range(world)]
     for start, layout in plan:
         run = slice(start, start + len(layout.tensors))
-        for rank, results in enumerate(_simulate_run([list(ranks[run]) for ranks in inputs], layout, quantizer)):
+        for rank, results in enumerate(_simulate_run([list(ranks[run]) for ranks in inputs], layout, stages)):
             outputs[rank] += results
     return outputs, [layout for _, layout in plan]
 
 
-def _simulate_run(inputs, layout: QuantizedReduceLayout, quantizer) -> List[List[torch.Tensor]]:
+def _simulate_run(inputs, layout: QuantizedReduceLayout, stages: QuantizedStages) -> List[List[torch.Tensor]]:
     num_nodes, local_world_size, world = layout.num_nodes, layout.local_world_size, layout.world_size
 
     def coordinates(rank):
         return divmod(rank, local_world_size)  # (node, local rank)
 
     slots = [
-        quantize_partitions(inputs[rank], layout, quantizer).view(local_world_size, num_nodes, -1)
-        for rank in range(world)
+        stages.quantize_partitions(inputs[rank], layout).view(local_world_size, num_nodes, -1) for rank in range(world)
     ]
     # Intra-node all-to-all: local rank d receives block d of each local peer, in peer order.
     node_sums = []
@@ -69,12 +74,12 @@ def _simulate_run(inputs, layout: QuantizedReduceLayout, quantizer) -> List[List
         node, local_rank = coordinates(rank)
         peers = range(node * local_world_size, (node + 1) * local_world_size)
         received = torch.cat([slots[peer][local_rank] for peer in peers])
-        node_sums.append(reduce_within_node(received, layout, quantizer))
+        node_sums.append(stages.reduce_within_node(received, layout))
     # Inter-node all-to-all among equal local ranks: node n receives row n of each node's sums.
     outputs = []
     for rank in range(world):
         node, local_rank = coordinates(rank)
         received = torch.stack([node_sums[m * local_world_size + local_rank][node] for m in range(num_nodes)])
-        average = average_across_nodes(received, layout, quantizer, inputs[rank][0].dtype)
+        average = stages.average_across_nodes(received, layout, dtype=inputs[rank][0].dtype)
         outputs.append(layout.partitions(average, rank))
     return outputs

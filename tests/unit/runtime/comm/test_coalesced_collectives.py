@@ -17,8 +17,8 @@ from deepspeed.runtime.comm.coalesced_collectives import all_to_all_quant_reduce
 from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
 
 from unit.common import DistributedTest
-from unit.qgz_util import (DTYPES, INTRA_NODE_BITS, RMS_BOUND, check_against_average, cluster_inputs, device,
-                           partition_bounds, same_bits, simulated_nodes)
+from unit.qgz_util import (DTYPES, INTRA_NODE_BITS, RANGE_PATTERNS, RMS_BOUND, check_against_average, cluster_inputs,
+                           device, partition_bounds, range_inputs, same_bits, simulated_nodes)
 
 
 class CollectiveLog:
@@ -53,13 +53,27 @@ class CollectiveLog:
         return False
 
 
-def quantized_call(name, shapes, dtype, seed, groups, local_size, magnitudes=None, **kwargs):
+def quantized_call(name,
+                   shapes,
+                   dtype,
+                   seed,
+                   groups,
+                   local_size,
+                   magnitudes=None,
+                   inputs=None,
+                   rms_bound=RMS_BOUND,
+                   compare_simulated=True,
+                   **kwargs):
     """One all_to_all_quant_reduce call on every rank; returns this rank's problems: against
     reduce_scatter_coalesced's contract and the exact average, against the same call simulated
     for the whole cluster in this process (bit for bit), the caller's tensors left untouched, and
-    the accounting against the collectives seen."""
+    the accounting against the collectives seen. `inputs` (every rank's tensors) replaces the
+    shared-signal inputs of `shapes`, `dtype`, `seed` and `magnitudes`; `rms_bound` None leaves the
+    relative RMS error unchecked (inputs without a shared signal); `compare_simulated` False leaves
+    out the comparison with the simulated cluster."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    inputs = cluster_inputs(shapes, world, dtype, seed, magnitudes)
+    if inputs is None:
+        inputs = cluster_inputs(shapes, world, dtype, seed, magnitudes)
     mine = [t.to(device()) for t in inputs[rank]]
     originals = [t.clone() for t in mine]
     with CollectiveLog() as log:
@@ -67,7 +81,7 @@ def quantized_call(name, shapes, dtype, seed, groups, local_size, magnitudes=Non
     stats = coalesced_collectives.qgz_accounting.last_call
     quantized = [i for i, t in enumerate(mine) if t.dim() > 1 and t.numel() > 0]
     exact = [i for i, t in enumerate(mine) if t.dim() <= 1 and t.numel() > 0]
-    problems = check_against_average(inputs, outputs, rank, exact_indices=exact, rms_bound=RMS_BOUND)
+    problems = check_against_average(inputs, outputs, rank, exact_indices=exact, rms_bound=rms_bound)
     if not all(same_bits(a, b) for a, b in zip(mine, originals)):
         problems.append("the caller's tensors were written to")
     if (stats.quantized_tensors, stats.exact_tensors) != (len(quantized), len(exact)):
@@ -77,7 +91,7 @@ def quantized_call(name, shapes, dtype, seed, groups, local_size, magnitudes=Non
         problems.append(f"accounting: {stats.collective_calls} collectives and "
                         f"{stats.intra_node_bytes + stats.inter_node_bytes} bytes reported, "
                         f"{log.calls} and {log.bytes} seen")
-    if quantized:
+    if quantized and compare_simulated:
         simulated, _ = simulate_all_to_all_quant_reduce([[[t.to(device()) for t in r][i] for i in quantized]
                                                          for r in inputs], world // local_size, local_size, **kwargs)
         if not all(same_bits(outputs[i], sim) for i, sim in zip(quantized, simulated[rank])):
@@ -219,6 +233,29 @@ class QuantizedReduceScatterTests:
 class TestQuantizedReduceScatter3Nodes2Ranks(QuantizedReduceScatterTests, DistributedTest):
     world_size = 6
     local_size = 2
+
+    def test_range_contract(self):
+        """Finite gradients anywhere in each dtype's range (qgz_util.range_inputs: mixed magnitudes
+        across ranks, one rank far larger, constant tensors, the largest value, the smallest normal):
+        every result finite and within the error bound (the simulated cluster's bits are compared by
+        the other tests of this class, and the range on simulated clusters by test_quantized_range.py)."""
+        problems, world = [], dist.get_world_size()
+        with simulated_nodes(self.local_size) as groups:
+            for bits in INTRA_NODE_BITS:
+                for dtype_name, dtype in DTYPES.items():
+                    for seed, pattern in enumerate(RANGE_PATTERNS):
+                        inputs = range_inputs([(7, 5), (3 * world, 9)], world, dtype, seed, pattern)
+                        problems += quantized_call(f"range {pattern}/{dtype_name}/{bits}",
+                                                   None,
+                                                   dtype,
+                                                   seed,
+                                                   groups,
+                                                   self.local_size,
+                                                   inputs=inputs,
+                                                   rms_bound=None,
+                                                   compare_simulated=False,
+                                                   intra_node_bits=bits)
+        assert_no_problems(problems)
 
 
 class TestQuantizedReduceScatter2Nodes3Ranks(QuantizedReduceScatterTests, DistributedTest):

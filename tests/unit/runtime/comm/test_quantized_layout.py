@@ -14,7 +14,8 @@ from deepspeed.ops.quantizer import qgz_contract as contract
 from deepspeed.runtime.comm.quantized_layout import (DEFAULT_GROUP_SIZE, INTER_NODE_BITS, MIN_GROUP_SIZE, SCALE_BYTES,
                                                      quantized_reduce_layout, resolve_group_size,
                                                      resolve_intra_node_bits)
-from deepspeed.runtime.comm.quantized_pipeline import planned_kernel_calls, quantized_reduce_plan
+from deepspeed.runtime.comm.quantized_pipeline import (CHUNK_VALUES, MAX_CHUNKS, planned_kernel_calls,
+                                                       quantized_reduce_plan, sum_chunks)
 
 numels = st.lists(st.integers(min_value=1, max_value=5_000_000), min_size=1, max_size=6)
 topology = st.tuples(st.integers(min_value=1, max_value=16), st.integers(min_value=1, max_value=16))
@@ -43,7 +44,10 @@ def test_layout_meets_kernel_contract(numels, topology, group_size, bits):
     num_nodes, local_size = topology
     layout = quantized_reduce_layout(tuple(numels), num_nodes, local_size, group_size, bits)
     calls = planned_kernel_calls(layout)
-    assert len(calls) == (3 if bits == 4 else 4)
+    node_chunks = len(sum_chunks(layout.inter, num_nodes))
+    stage1 = ["dequantize"] * len(sum_chunks(layout.intra, layout.world_size)) + ["swizzle_quant"]
+    assert [kernel for kernel, _ in calls] == (["swizzle_quant"] + (stage1 if bits == 8 else ["quantized_reduction"]) +
+                                               ["dequantize"] * node_chunks)
     for kernel, sizes in calls:
         assert contract.call_violations(kernel, sizes) == [], (kernel, sizes)
 
@@ -149,6 +153,25 @@ def test_intra_node_bits_setting():
     for bad in (2, 16, "8"):
         with pytest.raises(ValueError, match="must be one of"):
             resolve_intra_node_bits(bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(numels, topology, group_sizes, intra_bits)
+def test_sum_chunks_cover_every_group_once_within_bounds(numels, topology, group_size, bits):
+    """The chunks a stage dequantizes and sums at once: the whole slots in one chunk, or every group
+    of the padded partition exactly once, in order, in at most MAX_CHUNKS chunks of at least
+    CHUNK_VALUES values (the last may be smaller)."""
+    num_nodes, local_size = topology
+    layout = quantized_reduce_layout(tuple(numels), num_nodes, local_size, group_size, bits)
+    for fmt, copies in ((layout.intra, layout.world_size), (layout.inter, num_nodes)):
+        chunks = sum_chunks(fmt, copies)
+        if chunks == ((0, fmt.slot_groups), ):
+            assert copies * fmt.slot_elems <= CHUNK_VALUES
+            continue
+        assert len(chunks) <= MAX_CHUNKS
+        assert [first for first, _ in chunks] == [0] + [stop for _, stop in chunks[:-1]]
+        assert chunks[-1][1] == fmt.groups_per_partition
+        assert all(copies * (stop - first) * fmt.group_elems >= CHUNK_VALUES for first, stop in chunks[:-1])
 
 
 def test_calls_beyond_the_kernels_int32_indexing_are_split_or_refused():

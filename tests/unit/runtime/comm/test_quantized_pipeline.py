@@ -125,6 +125,21 @@ def test_sequence_on_cpu_op_equals_sequence_on_reference(cpu_quantizer, dtype, b
         assert all(same_bits(a, b) for a, b in zip(rank_op, rank_ref))
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sums_in_chunks_give_the_same_bits(cpu_quantizer, monkeypatch, dtype, bits):
+    """Stages 1 and 2 dequantize and sum a large call's groups in chunks (sum_chunks): the same bits
+    as one chunk for the whole call."""
+    inputs = cluster_inputs([(1031, 7), (5, 3, 11), (64, 48)], 6, dtype, 12)
+    whole, layouts = simulate_all_to_all_quant_reduce(inputs, 3, 2, cpu_quantizer, intra_node_bits=bits)
+    monkeypatch.setattr(quantized_pipeline, "CHUNK_VALUES", 1000)
+    assert len(quantized_pipeline.sum_chunks(layouts[0].intra, 6)) > 2
+    assert len(quantized_pipeline.sum_chunks(layouts[0].inter, 3)) > 2
+    chunked, _ = simulate_all_to_all_quant_reduce(inputs, 3, 2, cpu_quantizer, intra_node_bits=bits)
+    for rank_a, rank_b in zip(whole, chunked):
+        assert all(same_bits(a, b) for a, b in zip(rank_a, rank_b))
+
+
 def test_copy_in_without_chunk_cat_gives_the_same_bits(cpu_quantizer, monkeypatch):
     """torch before 2.3 has no torch._chunk_cat: the per-tensor copy-in must agree with it."""
     inputs = cluster_inputs([(33, 17), (7, 5), (64, 48)], 6, torch.bfloat16, 4)

@@ -2,11 +2,16 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The quantized gradient reduce-scatter's outputs, recorded: every case below was run through the
-simulated cluster with the CPU quantizer op before the range contract changed the pipeline, and
-the SHA-256 of each case's outputs (every rank's partitions, in rank order, NaNs written as one
-canonical NaN) is in qgz_recorded_outputs.json. Within the range where those outputs were finite
-and exact-scaled, the pipeline must still give the same bits."""
+"""The range contract of the quantized gradient reduce-scatter, for fp16, bf16 and fp32 and both
+intra-node precisions: finite gradients never give NaN, a result is finite wherever the exact
+average is (it saturates at the dtype's largest value), and the error bound holds (hypothesis, over
+each dtype's whole finite range, on simulated clusters; real worlds in test_coalesced_collectives.py).
+
+And the outputs, recorded: every case of `recorded_cases` was run through the simulated cluster
+with the CPU quantizer op before the range contract changed the pipeline, and the SHA-256 of each
+case's outputs (every rank's partitions, in rank order, NaNs written as one canonical NaN) is in
+qgz_recorded_outputs.json. The cases stay where those outputs were finite, so the pipeline must
+still give the same bits."""
 
 import hashlib
 import json
@@ -16,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
@@ -25,6 +31,55 @@ from unit import qgz_util
 RECORDED = Path(__file__).with_name("qgz_recorded_outputs.json")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BUCKET = [(33, 17), (64, 48), (5, 5, 5), (1, 9)]
+
+
+@pytest.fixture(scope="module")
+def cpu_quantizer():
+    return qgz_util.quantizer()
+
+
+@settings(max_examples=200, deadline=None)
+@given(topology=st.sampled_from([(3, 2), (2, 3), (5, 1), (1, 4), (2, 8)]),
+       shapes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 9)), min_size=1, max_size=2),
+       dtype=st.sampled_from(list(DTYPES.values())),
+       bits=st.sampled_from([4, 8]),
+       pattern=st.sampled_from(qgz_util.RANGE_PATTERNS),
+       seed=st.integers(0, 2**16))
+def test_range_contract(cpu_quantizer, topology, shapes, dtype, bits, pattern, seed):
+    """Finite inputs anywhere in the dtype's range: every result finite and within the error bound
+    of the exact average."""
+    num_nodes, local_size = topology
+    inputs = qgz_util.range_inputs(shapes, num_nodes * local_size, dtype, seed, pattern)
+    outputs, _ = simulate_all_to_all_quant_reduce(inputs, num_nodes, local_size, cpu_quantizer, intra_node_bits=bits)
+    problems = [
+        f"rank {rank}{problem}" for rank in range(len(inputs))
+        for problem in qgz_util.check_against_average(inputs, outputs[rank], rank)
+    ]
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+def test_largest_values_come_back_finite(cpu_quantizer, dtype, bits):
+    """A bucket of the dtype's largest value on every rank (fp16: 65504): the average is that value,
+    and the result is within a quantization step of it, never inf; nodes of opposite signs average
+    to about zero, never NaN, also with more than 4 ranks per node."""
+    largest = torch.finfo(dtype).max
+    for num_nodes, local_size in ((3, 2), (2, 8)):
+        world = num_nodes * local_size
+        same = [[torch.full((16, 17), largest, dtype=dtype)] for _ in range(world)]
+        opposite = [[torch.full((16, 17), largest * (-1)**(rank // local_size), dtype=dtype)] for rank in range(world)]
+        for inputs in (same, opposite):
+            outputs, _ = simulate_all_to_all_quant_reduce(inputs,
+                                                          num_nodes,
+                                                          local_size,
+                                                          cpu_quantizer,
+                                                          intra_node_bits=bits)
+            problems = [
+                f"rank {rank}{p}" for rank in range(world)
+                for p in qgz_util.check_against_average(inputs, outputs[rank], rank)
+            ]
+            assert not problems, "\n".join(problems[:10])
 
 
 def _special(inputs, kind, world):
@@ -79,8 +134,7 @@ def case_inputs(name):
     seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
     inputs = qgz_util.cluster_inputs(shapes, world, DTYPES[dtype_name], seed, magnitudes)
     _special(inputs, special, world)
-    return inputs, dict(num_nodes=num_nodes, local_world_size=local_size, group_size=group_size,
-                        intra_node_bits=bits)
+    return inputs, dict(num_nodes=num_nodes, local_world_size=local_size, group_size=group_size, intra_node_bits=bits)
 
 
 def outputs_digest(outputs):
