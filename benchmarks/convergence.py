@@ -171,15 +171,15 @@ def study_variant(variant):
     """A context for a study variant of the pipeline's quantizations (the kernels' clamp instead of
     clamp-free): "first-clamped" for the first one (inside the node), "clamped" for every one the
     glue makes; anything else changes nothing."""
+    import torch
     from deepspeed.runtime.comm import quantized_pipeline
     if variant not in ("first-clamped", "clamped"):
         return contextlib.nullcontext()
     real = quantized_pipeline._prepare_groups
 
-    def clamped(*args, **kwargs):
-        first = "exponent" not in kwargs  # the node sums' requantization passes their exponents
-        keep = kwargs.get("clamp_free", False) and variant == "first-clamped" and not first
-        return real(*args, **dict(kwargs, clamp_free=keep))
+    def clamped(groups, out, clamp_free=False):
+        first = groups.dtype != torch.float64  # the node sums' requantization reads their fp64 sums
+        return real(groups, out, clamp_free=clamp_free and variant == "first-clamped" and not first)
 
     @contextlib.contextmanager
     def patched():

@@ -3,12 +3,15 @@
 
 # DeepSpeed Team
 """What one step's gradient synchronization of LLaMA-2-7B costs on a GPU cluster, modeled: the fp16
-reduce-scatter against qgZ with int4 inside the node (4/4) and with int8 inside the node (8/4).
+reduce-scatter against qgZ with int4 inside the node (4/4) and with int8 inside the node (8/4), on
+DeepSpeed's quantizer kernels with the glue (the default) and as fused Triton kernels.
 
 Compute: one rank's dispatched ops and quantizer kernels (a launch each) and the bytes they read
 and write per gradient element, counted at each modeled topology on one LLaMA-2-7B layer's
 gradients in bf16: for qgZ, the pipeline's three stages (quantized_pipeline.py) with the exchanges
-left out; for the reduce-scatter, reduce_scatter_coalesced with the collective left out. One call
+left out (the fused stages' launches counted from their arguments and the gradients they read, not
+run: Triton's interpreter is far too slow for a layer); for the reduce-scatter, reduce_scatter_coalesced
+with the collective left out. One call
 per ZeRO-3 reduce bucket. Network: the bytes each rank sends inside its node and to other nodes,
 from the qgZ layout of each bucket (quantized_layout.py) and, for the reduce-scatter, NCCL's ring
 (each rank moves (W - 1) / W of the bucket; D rings, each crossing the network through its own
@@ -35,8 +38,14 @@ NETWORKS = {"8 x 400 Gb/s NICs per node": 400e9 / 8, "8 x 100 Gb/s NICs per node
 REDUCE_BUCKET = 500_000_000  # ZeRO-3's default reduce_bucket_size, elements
 TOPOLOGIES = [(3, 8), (4, 8)]
 DTYPE = "bf16"
-METHODS = {"fp16 reduce-scatter": "rs", "qgZ 4/4": "qgz-4/4", "qgZ 8/4": "qgz-8/4"}
-INTRA_NODE_BITS = {"qgz-4/4": 4, "qgz-8/4": 8}
+METHODS = {
+    "fp16 reduce-scatter": "rs",
+    "qgZ 4/4": "qgz-4/4",
+    "qgZ 8/4": "qgz-8/4",
+    "qgZ 4/4 fused": "qgz-4/4-fused",
+    "qgZ 8/4 fused": "qgz-8/4-fused"
+}
+INTRA_NODE_BITS = {"qgz-4/4": 4, "qgz-8/4": 8, "qgz-4/4-fused": 4, "qgz-8/4-fused": 8}
 
 
 def llama2_7b_layer():
@@ -67,7 +76,8 @@ def count_work(method, num_nodes, local_world_size):
     world = num_nodes * local_world_size
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in llama2_7b_layer()]
-    work = WorkCounter()
+    fused = method.endswith("-fused")
+    work = WorkCounter(run_launches=not fused)
     if method == "rs":
         stub = mock.Mock(get_rank=lambda group=None: 0, get_world_size=lambda group=None: world)
         with mock.patch.object(coalesced_collectives, "dist", stub), \
@@ -82,7 +92,7 @@ def count_work(method, num_nodes, local_world_size):
             for start, layout in plan:
                 # the exchanges left out: what a rank receives has the shape of what it sends
                 quantized_reduce_scatter(tensors[start:start + len(layout.tensors)], layout,
-                                         pipeline_stages(quantizer), lambda x: x, lambda x: x, 0)
+                                         pipeline_stages(quantizer, fused), lambda x: x, lambda x: x, 0)
     elems = sum(t.numel() for t in tensors)
     return {"ops": work.ops, "kernel_calls": work.kernel_calls, "bytes_per_elem": work.bytes / elems}
 
@@ -111,7 +121,7 @@ def network_bytes(method, bucket, num_nodes, local_world_size):
     flat = [math.prod(s) for s in bucket if len(s) == 1]
     share = sum(math.ceil(n / world) for n in flat) * 2
     intra, inter = (local_world_size - 1) * share, (world - local_world_size) * share
-    bits = 4 if method == "qgz-4/4" else 8
+    bits = INTRA_NODE_BITS[method]
     plan = quantized_reduce_plan(tuple(math.prod(s) for s in bucket if len(s) > 1), num_nodes, local_world_size,
                                  DEFAULT_GROUP_SIZE, bits)
     for _, layout in plan:

@@ -62,7 +62,8 @@ EDITS: Tuple[Edit, ...] = (
         "deepspeed/runtime/zero/config.py", '    "zero_quantized_gradients": [true|false],\n',
         '    "zero_quantized_gradients": [true|false],\n'
         '    "zero_quantized_gradients_group_size": 136,\n'
-        '    "zero_quantized_gradients_intra_node_bits": [4|8],\n'),
+        '    "zero_quantized_gradients_intra_node_bits": [4|8],\n'
+        '    "zero_quantized_gradients_fused": [true|false],\n'),
     Edit(
         "deepspeed/runtime/zero/config.py", '    zero_quantized_gradients: bool = False\n'
         '    """\n'
@@ -98,7 +99,25 @@ EDITS: Tuple[Edit, ...] = (
         '    @classmethod\n'
         '    def quantized_gradients_intra_node_bits_valid(cls, value):\n'
         '        from deepspeed.runtime.comm.quantized_layout import resolve_intra_node_bits\n'
-        '        return resolve_intra_node_bits(value, "zero_quantized_gradients_intra_node_bits")\n'),
+        '        return resolve_intra_node_bits(value, "zero_quantized_gradients_intra_node_bits")\n'
+        '\n'
+        '    zero_quantized_gradients_fused: bool = False\n'
+        '    """\n'
+        '    Run the quantized gradients\' (zero_quantized_gradients) three stages as fused\n'
+        '    Triton kernels, one launch each, with the same results bit for bit as\n'
+        '    DeepSpeed\'s quantizer kernels. Needs Triton and a CUDA accelerator.\n'
+        '    """\n'
+        '\n'
+        '    @field_validator("zero_quantized_gradients_fused")\n'
+        '    @classmethod\n'
+        '    def quantized_gradients_fused_valid(cls, value):\n'
+        '        if value:\n'
+        '            from deepspeed.accelerator import get_accelerator\n'
+        '            from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason\n'
+        '            reason = fused_unavailable_reason(get_accelerator().device_name())\n'
+        '            if reason is not None:\n'
+        '                raise ValueError(f"zero_quantized_gradients_fused true cannot run here: {reason}")\n'
+        '        return value\n'),
     Edit(
         "deepspeed/runtime/engine.py",
         "                    log_trace_cache_warnings=self.zero_log_trace_cache_warnings(),\n"
@@ -106,6 +125,7 @@ EDITS: Tuple[Edit, ...] = (
         "                    log_trace_cache_warnings=self.zero_log_trace_cache_warnings(),\n"
         "                    zero_quantized_gradients_group_size=self.zero_quantized_gradients_group_size(),\n"
         "                    zero_quantized_gradients_intra_node_bits=self.zero_quantized_gradients_intra_node_bits(),\n"
+        "                    zero_quantized_gradients_fused=self.zero_quantized_gradients_fused(),\n"
         "                    enable_sanity_checks=self.is_sanity_checks_enabled(),\n"),
     Edit(
         "deepspeed/runtime/engine.py", "    def zero_quantized_gradients(self):\n"
@@ -117,17 +137,22 @@ EDITS: Tuple[Edit, ...] = (
         "        return self._config.zero_config.zero_quantized_gradients_group_size\n"
         "\n"
         "    def zero_quantized_gradients_intra_node_bits(self):\n"
-        "        return self._config.zero_config.zero_quantized_gradients_intra_node_bits\n"),
+        "        return self._config.zero_config.zero_quantized_gradients_intra_node_bits\n"
+        "\n"
+        "    def zero_quantized_gradients_fused(self):\n"
+        "        return self._config.zero_config.zero_quantized_gradients_fused\n"),
     Edit(
         "deepspeed/runtime/zero/stage3.py", "        zero_quantized_nontrainable_weights=False,\n",
         "        zero_quantized_nontrainable_weights=False,\n"
         "        zero_quantized_gradients_group_size=None,\n"
-        "        zero_quantized_gradients_intra_node_bits=None,\n"),
+        "        zero_quantized_gradients_intra_node_bits=None,\n"
+        "        zero_quantized_gradients_fused=False,\n"),
     Edit(
         "deepspeed/runtime/zero/stage3.py", "        self.all2all_process_group = all2all_process_group\n",
         "        self.all2all_process_group = all2all_process_group\n"
         "        self.zero_quantized_gradients_group_size = zero_quantized_gradients_group_size\n"
-        "        self.zero_quantized_gradients_intra_node_bits = zero_quantized_gradients_intra_node_bits\n"),
+        "        self.zero_quantized_gradients_intra_node_bits = zero_quantized_gradients_intra_node_bits\n"
+        "        self.zero_quantized_gradients_fused = zero_quantized_gradients_fused\n"),
     Edit(
         "deepspeed/runtime/zero/stage3.py",
         "            grad_partitions_for_rank = all_to_all_quant_reduce(full_grads_for_rank, self.all2all_process_group)\n",
@@ -135,12 +160,14 @@ EDITS: Tuple[Edit, ...] = (
         "                full_grads_for_rank,\n"
         "                self.all2all_process_group,\n"
         "                group_size=self.zero_quantized_gradients_group_size,\n"
-        "                intra_node_bits=self.zero_quantized_gradients_intra_node_bits)\n"),
+        "                intra_node_bits=self.zero_quantized_gradients_intra_node_bits,\n"
+        "                fused=self.zero_quantized_gradients_fused)\n"),
     Edit(
         "docs/_pages/config-json.md", '    "zero_quantized_gradients": [true|false],\n',
         '    "zero_quantized_gradients": [true|false],\n'
         '    "zero_quantized_gradients_group_size": 136,\n'
-        '    "zero_quantized_gradients_intra_node_bits": [4|8],\n'),
+        '    "zero_quantized_gradients_intra_node_bits": [4|8],\n'
+        '    "zero_quantized_gradients_fused": [true|false],\n'),
     Edit(
         "docs/_pages/config-json.md",
         "|Boolean indicating whether to enable communication efficient quantized gradients of ZeRO++. | `False`   |\n",
@@ -161,7 +188,16 @@ EDITS: Tuple[Edit, ...] = (
         "| ----------- | ------- |\n"
         "| Precision of ZeRO++'s quantized gradients exchanged between the ranks of a node: `8` or `4` bits. The "
         "node sums exchanged between nodes are always 4 bits, so 8 doubles the bytes sent inside the node, "
-        "not across nodes, and lowers the gradients' quantization error. | `8` |\n"),
+        "not across nodes, and lowers the gradients' quantization error. | `8` |\n"
+        "\n"
+        "***zero_quantized_gradients_fused***: [boolean]\n"
+        "\n"
+        "| Description | Default |\n"
+        "| ----------- | ------- |\n"
+        "| Run ZeRO++'s quantized gradient reduce-scatter as three fused Triton kernels, one launch per stage, "
+        "which read the gradients where they lie and give the same results bit for bit as DeepSpeed's quantizer "
+        "kernels, with less memory traffic and no extra buffers. Needs Triton (CUDA builds of PyTorch ship it) "
+        "and a CUDA accelerator; `deepspeed.initialize` says why when it cannot run. | `false` |\n"),
     # the new tests are property tests
     Edit("requirements/requirements-dev.txt", "future\nimportlib-metadata>=4\n",
          "future\nhypothesis\nimportlib-metadata>=4\n"),

@@ -44,6 +44,16 @@ def same_bits(a, b):
                        b.detach().cpu().contiguous().view(torch.uint8))
 
 
+def same_values(a, b):
+    """Elementwise: the same bits, or both NaN (NaN payloads are no part of the contract: a GPU
+    gives every NaN one payload)."""
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if not a.is_floating_point():
+        return a == b
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return (a.view(bits) == b.view(bits)) | (torch.isnan(a) & torch.isnan(b))
+
+
 def cluster_inputs(shapes, world, dtype, seed, magnitudes=None):
     """Every rank's tensors (on the CPU): a shared signal plus rank-specific noise, tensor i
     scaled by magnitudes[i]. Every rank of a real world builds all of them from the same seed."""

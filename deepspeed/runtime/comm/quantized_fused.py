@@ -169,20 +169,19 @@ if triton is not None:
     @triton.jit
     def _kernel_scale(absmax, BITS: tl.constexpr):
         """The quantizer kernels' symmetric scale 2**bits / (2 * absmax), 1 for absmax 0."""
-        quotient = (2.0**BITS) / tl.where(absmax == 0.0, 2.0**(BITS - 1), 2.0 * absmax.to(tl.float64))
+        quotient = (2.0**BITS) / tl.where(absmax == 0.0, 2.0**BITS, 2.0 * absmax.to(tl.float64))
         return quotient.to(tl.float32)
 
     @triton.jit
     def _kernel_codes(values, scale, finite, BITS: tl.constexpr):
         """The quantizer kernels' codes of fp16 `values` (as fp32) at `scale`, clamp(rint(values *
         scale)), rounding half to even; 0 in a group holding an inf or NaN (not `finite`)."""
-        scaled = values * scale[:, None]
+        scaled = tl.where(finite[:, None], values, 0.0) * scale[:, None]
         low = tl.floor(scaled)
         fraction = scaled - low
         odd = (low.to(tl.int32) & 1) == 1
         rounded = tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), low + 1.0, low)
-        codes = tl.minimum(tl.maximum(rounded, -(2.0**(BITS - 1))), 2.0**(BITS - 1) - 1.0).to(tl.int32)
-        return tl.where(finite[:, None], codes, 0)
+        return tl.minimum(tl.maximum(rounded, -(2.0**(BITS - 1))), 2.0**(BITS - 1) - 1.0).to(tl.int32)
 
     @triton.jit
     def _kernel_param(scale):
@@ -277,8 +276,9 @@ if triton is not None:
                 positive = tl.maximum(positive, step_positive)
                 negative = tl.maximum(negative, step_negative)
                 nonfinite = tl.maximum(nonfinite, step_nonfinite)
-        absmax, own, sign, factor = _clamp_free(positive, negative, DTYPE != 0)
         finite = nonfinite == 0
+        absmax, own, sign, factor = _clamp_free(tl.where(finite, positive, 0), tl.where(finite, negative, 0), DTYPE
+                                                != 0)
         # the kernel's scale from the largest fp16 value it would read (rounding is monotonic)
         largest = _fp32_product(absmax.to(tl.float32, bitcast=True), tl.abs(factor)).to(tl.float16)
         scale = _kernel_scale(largest.to(tl.float32), BITS)
@@ -375,6 +375,7 @@ if triton is not None:
                                   finite, live, in_group, copies, IN_BITS, ROWS, BLOCK)
                 step_positive, step_negative, _ = _magnitudes(sums.to(tl.float32), in_group)
                 positive, negative = tl.maximum(positive, step_positive), tl.maximum(negative, step_negative)
+        positive, negative = tl.where(finite, positive, 0), tl.where(finite, negative, 0)
         if IN_BITS == 8:
             # the glue's clamp-free int4 quantization of the fp32 node sums
             absmax, own, sign, factor = _clamp_free(positive, negative, True)
@@ -502,7 +503,8 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout) ->
     device, dtype = tensors[0].device, tensors[0].dtype
     tensors = [t.contiguous() for t in tensors]
     table, owners = _tensor_tables(layout, str(device))
-    pointers = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+    # the gradients' addresses: one host-to-device copy per call (a copy on CPU too, so it counts the same)
+    pointers = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, copy=True)
     slots = torch.empty(world, fmt.slot_bytes, dtype=torch.int8, device=device)
     rows, block, one_step = _block(layout.group_elems)
     _launch(_quantize_partitions_kernel, (world, triton.cdiv(fmt.groups_per_partition, rows)),

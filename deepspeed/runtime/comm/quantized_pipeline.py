@@ -68,11 +68,11 @@ from deepspeed.runtime.comm.quantized_layout import (QuantizedReduceLayout, Slot
 # Powers of two are applied as fp32 factors, which must stay normal numbers.
 _MAX_EXPONENT = 126
 
-# A stage that sums dequantized copies of groups does so in chunks of at least CHUNK_VALUES of the
-# copies' values (each costs about 10 to 17 bytes of temporaries per value: its fp16 values, their
-# fp64 cast and sums) and in at most MAX_CHUNKS chunks.
+# A stage that sums dequantized copies of groups (stage 1 with int8 inside the node, stage 2) works
+# through them in chunks whose temporaries (sum_chunk_temporaries) stay below CHUNK_BUDGET bytes per
+# gradient element of the call; a chunk holds at least CHUNK_VALUES values, so a small call is one.
+CHUNK_BUDGET = 1.5
 CHUNK_VALUES = 1 << 20
-MAX_CHUNKS = 16
 
 
 def chunk_cat(pieces: Sequence[Tensor], out: Tensor) -> None:
@@ -122,19 +122,14 @@ def _summing_exponent(magnitudes: Tensor) -> Tensor:
     return binary_exponent(magnitudes.amax(dim=0)) + (2 * copies - 1).bit_length()
 
 
-def _prepare_groups(groups: Tensor,
-                    out: Tensor,
-                    exponent: Optional[Tensor] = None,
-                    clamp_free: bool = False) -> Tensor:
+def _prepare_groups(groups: Tensor, out: Tensor, clamp_free: bool = False):
     """Writes `groups` ([..., group_elems] values) into `out` (the same shape in fp16) as the
-    kernels are to quantize them, and returns each group's fold ([...], fp64): what its kernel
-    parameter is to be multiplied by to give its scale.
+    kernels are to quantize them. Returns each group's (absmax (fp32, NaN if it holds a NaN),
+    binary exponent (None for fp16 values), sign (+-1.0, None unless clamp_free)), for _fold.
 
     fp16 values are taken as they are; bf16, fp32 and fp64 groups are divided by the power of two
-    that brings their largest magnitude into [0.5, 1) (exact), and the fold holds it. With
-    `clamp_free` a group whose largest magnitude is positive is negated, and the fold negative.
-    `exponent` ([...], the powers of two the values were already divided by) goes into the fold
-    too. The fold is 0 for a group of zeros and NaN for a group holding an inf or NaN.
+    that brings their largest magnitude into [0.5, 1) (exact). With `clamp_free` a group whose
+    largest magnitude is positive is negated.
 
     fp16, bf16 and fp32 groups are rescaled in place and then converted into `out`, which may be
     the same memory (written element by element), so no temporary of their size is made. fp64
@@ -145,15 +140,14 @@ def _prepare_groups(groups: Tensor,
     smallest, largest = torch.aminmax(groups, dim=-1)
     if groups.dtype == torch.float64:
         smallest, largest = smallest.float(), largest.float()
-    absmax = torch.maximum(largest, -smallest)  # NaN if a group holds one
-    factors, fold_exponent = None, exponent
+    negated = -smallest
+    absmax = torch.maximum(largest, negated)  # NaN if a group holds one
+    own = factors = sign = None
     if groups.dtype != torch.float16:
         own = binary_exponent(absmax)
         factors = torch.pow(0.5, own)
-        fold_exponent = own if exponent is None else own + exponent
-    sign = None
     if clamp_free:
-        sign = torch.where(largest > -smallest, -1.0, 1.0)
+        sign = torch.where(largest > negated, -1.0, 1.0)
         factors = sign if factors is None else factors * sign
     if factors is not None and groups.dtype == torch.float64:
         torch.mul(groups, factors.unsqueeze(-1), out=out)
@@ -164,12 +158,17 @@ def _prepare_groups(groups: Tensor,
             groups.mul_(factors.to(groups.dtype).unsqueeze(-1))
         if out.data_ptr() != groups.data_ptr() or out.dtype != groups.dtype:
             out.copy_(groups)
-    fold = (absmax > 0).double()
-    if fold_exponent is not None:
-        fold = fold * power_of_two(fold_exponent)
-    if sign is not None:
-        fold = fold * sign
-    return torch.where(absmax < math.inf, fold, math.nan)
+    return absmax, own, sign
+
+
+def _fold(absmax: Tensor, exponent: Optional[Tensor], sign: Optional[Tensor]) -> Tensor:
+    """Each group's fold (fp64): what its kernel parameter is multiplied by to give its scale,
+    2**exponent x sign (the powers of two and the sign its values were multiplied by, undone); 0
+    for a group of zeros, NaN for a group holding an inf or NaN (absmax inf or NaN)."""
+    fold = torch.ones_like(absmax, dtype=torch.float64) if sign is None else sign.double()
+    if exponent is not None:
+        fold = fold * power_of_two(exponent)
+    return torch.where(absmax < math.inf, torch.where(absmax > 0, fold, 0.0), math.nan)
 
 
 def _store_scales(data: Tensor, params: Tensor, fold: Tensor, fmt: SlotFormat, num_nodes: int,
@@ -222,7 +221,8 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
     else:
         fp16 = torch.empty(values.shape, dtype=torch.float16, device=device)
         fmt.grouped(fp16)[..., fmt.groups_per_partition:, :].zero_()  # the scale groups
-    fold = _prepare_groups(fmt.data_groups(values), fmt.data_groups(fp16), clamp_free=True)
+    absmax, own, sign = _prepare_groups(fmt.data_groups(values), fmt.data_groups(fp16), clamp_free=True)
+    fold = _fold(absmax, own, sign)
     del values
     data, params = quantizer.swizzle_quant(fp16.view(-1), world * fmt.slot_groups, fmt.bits, quantizer.Symmetric, 1,
                                            num_nodes, local_world_size)
@@ -232,32 +232,51 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout, qu
     return data
 
 
-def sum_chunks(fmt: SlotFormat, copies: int) -> Tuple[Tuple[int, int], ...]:
+def sum_chunk_temporaries(fmt: SlotFormat, summed: int) -> float:
+    """Bytes of temporaries per value of a chunk of `fmt` slots whose copies are summed `summed` at a
+    time: the codes copied out of the received buffer, their fp16 values, the fp64 copy of those the
+    sum makes, and per sum the fp64 sum and the fp64 product the result is computed in."""
+    return fmt.bits / 8 + 2 + 8 + 16 / summed
+
+
+def sum_chunks(fmt: SlotFormat, copies: int, summed: int, elements: int) -> Tuple[Tuple[int, int], ...]:
     """The ranges [first, stop) of a slot's groups that a stage dequantizes and sums at once from
-    `copies` slots of `fmt`. One chunk when the copies hold at most CHUNK_VALUES values: every group
-    of the slot, scale groups included (their parameters are 0, so they dequantize to zeros), which
-    is the whole received buffer, read as it is. Otherwise the groups of the padded partition in
-    chunks of at least CHUNK_VALUES values and at most MAX_CHUNKS of them, each copied out of the
-    received buffer first."""
-    if copies * fmt.slot_elems <= CHUNK_VALUES:
+    `copies` slots of `fmt`, `summed` at a time, in a call of `elements` gradient elements per rank.
+    One chunk when the temporaries of the whole stay within CHUNK_BUDGET bytes per element or the
+    copies hold at most CHUNK_VALUES values: every group of the slot, scale groups included (their
+    parameters are 0, so they dequantize to zeros), which is the whole received buffer, read as it
+    is. Otherwise the groups of the padded partition in as few chunks as keep within the budget,
+    each of at least CHUNK_VALUES values and copied out of the received buffer first."""
+    values = copies * fmt.slot_elems
+    count = math.ceil(values * sum_chunk_temporaries(fmt, summed) / (CHUNK_BUDGET * elements))
+    if values <= CHUNK_VALUES or count <= 1:
         return ((0, fmt.slot_groups), )
     groups = fmt.groups_per_partition
-    per_chunk = max(-(-groups // MAX_CHUNKS), -(-CHUNK_VALUES // (copies * fmt.group_elems)))
+    per_chunk = max(-(-groups // count), -(-CHUNK_VALUES // (copies * fmt.group_elems)))
     return tuple((first, min(first + per_chunk, groups)) for first in range(0, groups, per_chunk))
 
 
-def _summed_chunks(slots: Tensor, params: Tensor, fmt: SlotFormat, quantizer):
-    """For each chunk of sum_chunks: (first, stop, the exact fp64 sums over the copies of the
-    chunk's data groups, [..., stop - first, group_elems]). `slots` is [copies, ..., slot_bytes]
-    int8 and `params` its kernel parameters, [copies, ..., slot_groups]; one dequantize per chunk."""
+def layout_sum_chunks(layout: QuantizedReduceLayout, stage: int) -> Tuple[Tuple[int, int], ...]:
+    """sum_chunks of stage 1 (the node's copies, int8 inside the node) or stage 2 (the nodes' sums)."""
+    elements = layout.world_size * layout.padded_partition
+    if stage == 1:
+        return sum_chunks(layout.intra, layout.world_size, layout.local_world_size, elements)
+    return sum_chunks(layout.inter, layout.num_nodes, layout.num_nodes, elements)
+
+
+def _summed_chunks(slots: Tensor, params: Tensor, fmt: SlotFormat, chunks, quantizer):
+    """For each of `chunks` (layout_sum_chunks): (first, stop, the exact fp64 sums over the copies
+    of the chunk's data groups, [..., stop - first, group_elems]). `slots` is [copies, ...,
+    slot_bytes] int8 and `params` its kernel parameters, [copies, ..., slot_groups]; one dequantize
+    per chunk."""
     copies = slots.shape[:-1].numel()
-    for first, stop in sum_chunks(fmt, copies):
+    for first, stop in chunks:
         values = quantizer.dequantize(slots[..., first * fmt.group_bytes:stop * fmt.group_bytes],
                                       params[..., first:stop].reshape(-1, 1), copies * (stop - first), fmt.bits,
                                       quantizer.Symmetric)
         data_stop = min(stop, fmt.groups_per_partition)  # the scale groups' zeros are not summed
         values = values.view(*slots.shape[:-1], stop - first, fmt.group_elems)[..., :data_stop - first, :]
-        sums = values.sum(dim=0, dtype=torch.float64)
+        sums = values.sum(dim=0, dtype=torch.float64)  # exact
         del values
         yield first, data_stop, sums
 
@@ -296,13 +315,14 @@ def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout, quantize
         params = intra.kernel_params(normalized).view(local_world_size, num_nodes, intra.slot_groups)
         node_values = torch.empty(num_nodes, inter.slot_elems, dtype=torch.float16, device=received.device)
         inter.grouped(node_values)[:, inter.groups_per_partition:, :].zero_()  # the scale groups
-        fold = torch.empty(num_nodes, inter.groups_per_partition, dtype=torch.float64, device=received.device)
-        for first, stop, sums in _summed_chunks(slots, params, intra, quantizer):
-            fold[:, first:stop] = _prepare_groups(sums,
-                                                  inter.grouped(node_values)[:, first:stop],
-                                                  exponent=shifted[:, first:stop],
-                                                  clamp_free=True)
+        statistics = torch.empty(3, num_nodes, inter.groups_per_partition, device=received.device)
+        for first, stop, sums in _summed_chunks(slots, params, intra, layout_sum_chunks(layout, 1), quantizer):
+            absmax, own, sign = _prepare_groups(sums, inter.grouped(node_values)[:, first:stop], clamp_free=True)
+            sign = torch.ones_like(absmax) if sign is None else sign  # (a study of the kernels' clamp passes None)
+            torch.stack((absmax, own, sign), out=statistics[:, :, first:stop])
             del sums
+        absmax, own, sign = statistics
+        fold = _fold(absmax, own.int() + shifted, sign)
         data, out_params = quantizer.swizzle_quant(node_values.view(-1), num_nodes * inter.slot_groups, inter.bits,
                                                    quantizer.Symmetric, 1, num_nodes, 1)
         del node_values
@@ -353,7 +373,7 @@ def average_across_nodes(received: Tensor, layout: QuantizedReduceLayout, quanti
         if shift:
             shares *= 2**shift
         params = fmt.kernel_params(shares).view(num_nodes, fmt.slot_groups)
-        for first, stop, sums in _summed_chunks(slots, params, fmt, quantizer):
+        for first, stop, sums in _summed_chunks(slots, params, fmt, layout_sum_chunks(layout, 2), quantizer):
             average[first:stop].copy_(sums)
             del sums
         return saturate(average.view(-1))
@@ -363,7 +383,7 @@ def average_across_nodes(received: Tensor, layout: QuantizedReduceLayout, quanti
     if shift:
         factor = factor.double() * 2**shift
     factor = factor.unsqueeze(-1)
-    for first, stop, sums in _summed_chunks(slots, params, fmt, quantizer):
+    for first, stop, sums in _summed_chunks(slots, params, fmt, layout_sum_chunks(layout, 2), quantizer):
         torch.mul(sums, factor[first:stop], out=average[first:stop])
         del sums
     return saturate(average.view(-1))
@@ -415,7 +435,7 @@ def planned_kernel_calls(layout: QuantizedReduceLayout) -> List[Tuple[str, tuple
     calls = [("swizzle_quant", (world * intra.slot_elems, world * intra.slot_groups, intra.bits, 1, num_nodes,
                                 local_world_size))]
     if intra.bits == 8:
-        for first, stop in sum_chunks(intra, world):
+        for first, stop in layout_sum_chunks(layout, 1):
             groups = world * (stop - first)
             calls.append(("dequantize", (groups * intra.group_bytes, groups, groups, intra.bits, symmetric, 2)))
         calls.append(("swizzle_quant", (num_nodes * inter.slot_elems, num_nodes * inter.slot_groups, inter.bits, 1,
@@ -424,7 +444,7 @@ def planned_kernel_calls(layout: QuantizedReduceLayout) -> List[Tuple[str, tuple
         calls.append(
             ("quantized_reduction", (world * intra.slot_bytes, world * intra.slot_groups, world * intra.slot_groups,
                                      num_nodes * intra.slot_groups, intra.bits, symmetric, local_world_size)))
-    for first, stop in sum_chunks(inter, num_nodes):
+    for first, stop in layout_sum_chunks(layout, 2):
         groups = num_nodes * (stop - first)
         calls.append(("dequantize", (groups * inter.group_bytes, groups, groups, inter.bits, symmetric, 2)))
     return calls

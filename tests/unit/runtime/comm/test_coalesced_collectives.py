@@ -18,7 +18,7 @@ from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quan
 
 from unit.common import DistributedTest
 from unit.qgz_util import (DTYPES, INTRA_NODE_BITS, RANGE_PATTERNS, RMS_BOUND, check_against_average, cluster_inputs,
-                           device, partition_bounds, range_inputs, same_bits, simulated_nodes)
+                           device, partition_bounds, range_inputs, same_bits, same_values, simulated_nodes)
 
 
 class CollectiveLog:
@@ -230,7 +230,51 @@ class QuantizedReduceScatterTests:
         assert_no_problems(check_against_average(inputs, outputs, rank, exact_indices=(0, 1)))
 
 
-class TestQuantizedReduceScatter3Nodes2Ranks(QuantizedReduceScatterTests, DistributedTest):
+class FusedKernelTests:
+    """all_to_all_quant_reduce(fused=True) in a real world: the same results as the default path,
+    bit for bit (NaN payloads aside), and the same accounting."""
+
+    @pytest.mark.parametrize("intra_node_bits", INTRA_NODE_BITS)
+    def test_fused_equals_the_default(self, intra_node_bits):
+        from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason
+        reason = fused_unavailable_reason(torch.device(device()).type)
+        if reason is not None:
+            pytest.skip(f"fused kernels: {reason}")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        problems = []
+        with simulated_nodes(self.local_size) as groups:
+            for seed, (dtype_name, dtype) in enumerate(DTYPES.items()):
+                for name, shapes in (("mixed", [(33, 17), (64, ), (5, 5, 5), (1, 2),
+                                                (40, 30)]), ("non-finite", [(33, 17), (40, 30)])):
+                    inputs = cluster_inputs(shapes, world, dtype, seed)
+                    if name == "non-finite":
+                        inputs[world - 1][0].view(-1)[7] = float("nan")
+                        inputs[0][1].view(-1)[-1] = float("inf")
+                    mine = [t.to(device()) for t in inputs[rank]]
+                    results = {}
+                    for fused in (False, True):
+                        results[fused] = all_to_all_quant_reduce(mine,
+                                                                 groups,
+                                                                 intra_node_bits=intra_node_bits,
+                                                                 fused=fused)
+                        results[fused, "stats"] = coalesced_collectives.qgz_accounting.last_call
+                    for i, (got, expected) in enumerate(zip(results[True], results[False])):
+                        if got.dtype != expected.dtype or got.shape != expected.shape or not same_values(
+                                got, expected).all():
+                            problems.append(f"{name}/{dtype_name}: tensor {i} differs from the default path")
+                    if results[True, "stats"] != results[False, "stats"]:
+                        problems.append(f"{name}/{dtype_name}: accounting {results[True, 'stats']} != "
+                                        f"{results[False, 'stats']}")
+                    if name == "mixed":
+                        exact = [i for i, t in enumerate(mine) if t.dim() == 1]
+                        problems += [
+                            f"{name}/{dtype_name}: {p}"
+                            for p in check_against_average(inputs, results[True], rank, exact, rms_bound=RMS_BOUND)
+                        ]
+        assert_no_problems(problems)
+
+
+class TestQuantizedReduceScatter3Nodes2Ranks(FusedKernelTests, QuantizedReduceScatterTests, DistributedTest):
     world_size = 6
     local_size = 2
 
@@ -263,7 +307,7 @@ class TestQuantizedReduceScatter2Nodes3Ranks(QuantizedReduceScatterTests, Distri
     local_size = 3
 
 
-class TestQuantizedReduceScatter5Nodes2Ranks(QuantizedReduceScatterTests, DistributedTest):
+class TestQuantizedReduceScatter5Nodes2Ranks(FusedKernelTests, QuantizedReduceScatterTests, DistributedTest):
     world_size = 10
     local_size = 2
 

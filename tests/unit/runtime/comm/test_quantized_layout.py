@@ -14,8 +14,9 @@ from deepspeed.ops.quantizer import qgz_contract as contract
 from deepspeed.runtime.comm.quantized_layout import (DEFAULT_GROUP_SIZE, INTER_NODE_BITS, MIN_GROUP_SIZE, SCALE_BYTES,
                                                      quantized_reduce_layout, resolve_group_size,
                                                      resolve_intra_node_bits)
-from deepspeed.runtime.comm.quantized_pipeline import (CHUNK_VALUES, MAX_CHUNKS, planned_kernel_calls,
-                                                       quantized_reduce_plan, sum_chunks)
+from deepspeed.runtime.comm.quantized_pipeline import (CHUNK_BUDGET, CHUNK_VALUES, layout_sum_chunks,
+                                                       planned_kernel_calls, quantized_reduce_plan,
+                                                       sum_chunk_temporaries)
 
 numels = st.lists(st.integers(min_value=1, max_value=5_000_000), min_size=1, max_size=6)
 topology = st.tuples(st.integers(min_value=1, max_value=16), st.integers(min_value=1, max_value=16))
@@ -44,8 +45,8 @@ def test_layout_meets_kernel_contract(numels, topology, group_size, bits):
     num_nodes, local_size = topology
     layout = quantized_reduce_layout(tuple(numels), num_nodes, local_size, group_size, bits)
     calls = planned_kernel_calls(layout)
-    node_chunks = len(sum_chunks(layout.inter, num_nodes))
-    stage1 = ["dequantize"] * len(sum_chunks(layout.intra, layout.world_size)) + ["swizzle_quant"]
+    node_chunks = len(layout_sum_chunks(layout, 2))
+    stage1 = ["dequantize"] * len(layout_sum_chunks(layout, 1)) + ["swizzle_quant"]
     assert [kernel for kernel, _ in calls] == (["swizzle_quant"] + (stage1 if bits == 8 else ["quantized_reduction"]) +
                                                ["dequantize"] * node_chunks)
     for kernel, sizes in calls:
@@ -159,19 +160,24 @@ def test_intra_node_bits_setting():
 @given(numels, topology, group_sizes, intra_bits)
 def test_sum_chunks_cover_every_group_once_within_bounds(numels, topology, group_size, bits):
     """The chunks a stage dequantizes and sums at once: the whole slots in one chunk, or every group
-    of the padded partition exactly once, in order, in at most MAX_CHUNKS chunks of at least
-    CHUNK_VALUES values (the last may be smaller)."""
+    of the padded partition exactly once, in order, each chunk of at least CHUNK_VALUES values (the
+    last may be smaller) and with temporaries within CHUNK_BUDGET bytes per gradient element (unless
+    a chunk of CHUNK_VALUES values is more)."""
     num_nodes, local_size = topology
     layout = quantized_reduce_layout(tuple(numels), num_nodes, local_size, group_size, bits)
-    for fmt, copies in ((layout.intra, layout.world_size), (layout.inter, num_nodes)):
-        chunks = sum_chunks(fmt, copies)
+    elements = layout.world_size * layout.padded_partition
+    for stage, fmt, copies, summed in ((1, layout.intra, layout.world_size, local_size), (2, layout.inter, num_nodes,
+                                                                                          num_nodes)):
+        chunks = layout_sum_chunks(layout, stage)
         if chunks == ((0, fmt.slot_groups), ):
-            assert copies * fmt.slot_elems <= CHUNK_VALUES
             continue
-        assert len(chunks) <= MAX_CHUNKS
         assert [first for first, _ in chunks] == [0] + [stop for _, stop in chunks[:-1]]
         assert chunks[-1][1] == fmt.groups_per_partition
-        assert all(copies * (stop - first) * fmt.group_elems >= CHUNK_VALUES for first, stop in chunks[:-1])
+        sizes = [copies * (stop - first) * fmt.group_elems for first, stop in chunks]
+        assert all(size >= CHUNK_VALUES for size in sizes[:-1])
+        largest = max(sizes) * sum_chunk_temporaries(fmt, summed)
+        assert largest <= max(CHUNK_BUDGET * elements,
+                              (CHUNK_VALUES + copies * fmt.group_elems) * sum_chunk_temporaries(fmt, summed))
 
 
 def test_calls_beyond_the_kernels_int32_indexing_are_split_or_refused():

@@ -9,6 +9,7 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.comm import quantized_layout
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -34,6 +35,15 @@ def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(key, value, all
     with pytest.raises(ValueError) as raised:
         DeepSpeedZeroConfig(stage=3, zero_quantized_gradients=True, **{key: value})
     assert f"{key} {value} must be {allowed}" in str(raised.value)
+
+
+def test_fused_is_off_by_default_and_refused_where_it_cannot_run(monkeypatch):
+    from deepspeed.runtime.comm import quantized_fused
+    assert DeepSpeedZeroConfig(stage=3, zero_quantized_gradients=True).zero_quantized_gradients_fused is False
+    monkeypatch.setattr(quantized_fused, "triton", None)
+    with pytest.raises(ValueError) as raised:
+        DeepSpeedZeroConfig(stage=3, zero_quantized_gradients=True, zero_quantized_gradients_fused=True)
+    assert "zero_quantized_gradients_fused true cannot run here: Triton is not installed" in str(raised.value)
 
 
 def model_and_config(**zero):
@@ -108,6 +118,35 @@ class TestQuantizedGradientsConfigReachesTheCall(DistributedTest):
                 stage3.all_to_all_quant_reduce = real
         assert calls and dist.get_world_size() == 6
         for kwargs, reported, with_keys, with_defaults in calls:
-            assert kwargs == {"group_size": 256, "intra_node_bits": 4}
+            assert kwargs == {"group_size": 256, "intra_node_bits": 4, "fused": False}
             # the accounting shows the layout the keys make, which is not the defaults'
             assert reported == with_keys != with_defaults
+
+
+class TestFusedKernelsTrainAsTheDefault(DistributedTest):
+    """At 3 nodes x 2 ranks, ZeRO-3 with zero_quantized_gradients_fused true: the same losses and
+    the same weights, bit for bit, as with DeepSpeed's quantizer kernels, step by step."""
+    world_size = 6
+
+    def test_fused_training_equals_the_default(self):
+        from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason
+        reason = fused_unavailable_reason(get_accelerator().device_name())
+        if reason is not None:
+            pytest.skip(f"fused kernels: {reason}")
+        runs = {}
+        with simulated_nodes(2):
+            for fused in (False, True):
+                model, config = model_and_config(zero_quantized_gradients_fused=fused)
+                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+                gen = torch.Generator().manual_seed(dist.get_rank())
+                losses = []
+                for _ in range(3):
+                    x = torch.randn(2, 40, generator=gen).to(device=engine.device, dtype=torch.bfloat16)
+                    loss = engine(x).float().pow(2).mean()
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.item())
+                runs[fused] = losses, [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
+        assert runs[True][0] == runs[False][0]
+        assert all(
+            torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(runs[True][1], runs[False][1]))
