@@ -45,8 +45,10 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
         sections.setdefault(section.strip("| "), []).append(status)
     # environment: versions, build, overlay; kernels: 3 kernels at 4 bits and 2 at 8 bits x 8 group
     # sizes (40960 only on a GPU), and the weights' quantize for the 6 of them the contract allows; the probe at 4 and 8 bits; glue: 3 dtypes x 2 precisions x (reference, kernels);
-    # ranks: the collective in 3 dtypes x 2 precisions, training bf16/fp32 x on/off; speed: 4
-    # group sizes, one bucket in 2 dtypes x 2 precisions
+    # ranks: the collective, default and fused, in 3 dtypes x 2 precisions, training bf16/fp32 x
+    # on/off; speed: 4 group sizes, one bucket in 2 dtypes x 2 precisions; fused: whether it can
+    # run, 3 dtypes x 2 precisions x (against the reference, against the op), GB/s at 2
+    # precisions, one call in 2 dtypes
     assert {
         k: len(v)
         for k, v in sections.items()
@@ -55,10 +57,12 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
         "kernels": 46,
         "sub-warp probe": 2,
         "glue": 12,
-        "ranks": 10,
-        "speed": 8
+        "ranks": 16,
+        "speed": 8,
+        "fused": 17
     }, table
     assert all(status in ("PASS", "INFO") for statuses in sections.values() for status in statuses), table
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["data"]["kernels"]["swizzle_quant/136"]["code_real"] == 0
+    assert data["data"]["fused"]["bf16/8"]["counts"]["reference"]["stage 0"] == 0
     assert (tmp_path / "build.log").exists()

@@ -30,10 +30,18 @@ DIR/gpu_check.json:
    under ZeRO-3 in fp16 and bf16, qgZ on and off.
 6. speed: each kernel's GB/s against a device-to-device copy at groups of 128, 136, 256 and 1024;
    one rank's pipeline for buckets of 1M to 100M elements: time, kernel launches, peak memory.
+7. fused: the fused Triton stages (quantized_fused.py) stage by stage against the glue on the
+   PyTorch reference quantizer (bit for bit: a mismatch fails) and on the CUDA kernels (where
+   --use_fast_math may move a last bit or a tie: counted, INFO), over three topologies, three
+   group sizes, fp16, bf16 and fp32, both intra-node precisions, with zero groups, subnormals,
+   each dtype's largest and smallest values, inf and NaN; each fused kernel's GB/s against a
+   device-to-device copy; one call's time and extra peak memory for the fused stages, the default
+   stages and the reduce-scatter's own work (its copy-in and division) at 1M to 100M elements,
+   fp16 and bf16. Section 5 also runs all_to_all_quant_reduce(fused=True) on the four ranks.
 
 --dry-run-on-cpu runs every section that can run without CUDA, on the CPU op and CPU tensors,
 smaller (section 5 on gloo with CPU tensors, bf16 and fp32: the CPU accelerator refuses fp16
-training). It checks this script, nothing about a GPU.
+training; section 7 in Triton's interpreter). It checks this script, nothing about a GPU.
 """
 
 import argparse
@@ -545,6 +553,14 @@ def rank_worker(dry_run):
                                                             intra_node_bits=bits)
             out["collective"][f"{dtype_name}, {bits}/4"] = all(
                 same_bits(results[i], sim) for i, sim in zip(quantized, simulated[rank]))
+            fused = cc.all_to_all_quant_reduce(mine, groups, intra_node_bits=bits, fused=True)
+            simulated, _ = simulate_all_to_all_quant_reduce([[r[i].to(device) for i in quantized] for r in inputs],
+                                                            RANKS_NODES,
+                                                            RANKS_LOCAL,
+                                                            intra_node_bits=bits,
+                                                            fused=True)
+            out["collective"][f"fused, {dtype_name}, {bits}/4"] = all(
+                same_bits(fused[i], sim) for i, sim in zip(quantized, simulated[rank]))
     spec = importlib.util.spec_from_file_location("qgz_report_train", HERE / "qgz_3x2" / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
@@ -675,6 +691,196 @@ def speed(report, ops, checked, device, dry_run):
 
 
 # ----------------------------------------------------------------------------------------------
+# 7. fused kernels
+# ----------------------------------------------------------------------------------------------
+
+FUSED_TOPOLOGIES = [(3, 2), (2, 8), (5, 2)]
+FUSED_GROUP_SIZES = [136, 1024, 40960]  # 40960: groups of more than one kernel step
+
+
+def fused_inputs(shapes, world, dtype, gen):
+    """Every rank's tensors: a shared signal with zero groups, subnormals, the dtype's largest and
+    smallest normal values, inf and NaN."""
+    info = torch.finfo(dtype)
+    inputs = cluster_inputs(shapes, world, dtype, gen)
+    for rank, tensors in enumerate(inputs):
+        flat = tensors[0].view(-1)
+        flat[:flat.numel() // 8].zero_()
+        flat[-200:] *= info.tiny
+        flat[-5] = info.tiny * info.eps
+        flat[-7] = info.max * (-1)**rank
+        if rank == 1:
+            tensors[-1].view(-1)[3] = float("nan")
+            tensors[-1].view(-1)[-2] = float("inf")
+    return inputs
+
+
+def slot_mismatches(got, expected, fmt):
+    """Bytes of `got` that differ from `expected` (slots of `fmt`), leaving out the codes of groups
+    whose scale is NaN in both (nothing reads them) and NaN scales' payloads."""
+    got, expected = got.cpu(), expected.cpu()
+    scales_got, scales_expected = fmt.scales(got), fmt.scales(expected)
+    both_nan = torch.isnan(scales_got) & torch.isnan(scales_expected)
+    data = fmt.groups_per_partition * fmt.group_bytes
+    differ = (got != expected)
+    codes = differ[..., :data].view(*got.shape[:-1], -1, fmt.group_bytes) & ~both_nan.unsqueeze(-1)
+    scales = (scales_got.view(torch.int32) != scales_expected.view(torch.int32)) & ~both_nan
+    return int(codes.sum()) + int(scales.sum()) + int(differ[..., data + 4 * fmt.groups_per_partition:].sum())
+
+
+def value_mismatches(got, expected):
+    """Values of `got` whose bits differ from `expected`'s (NaN payloads aside)."""
+    got, expected = got.cpu(), expected.cpu()
+    bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
+    same = (got.view(bits) == expected.view(bits)) | (torch.isnan(got) & torch.isnan(expected))
+    return int((~same).sum())
+
+
+def fused(report, checked, device, dry_run):
+    from deepspeed.ops.quantizer import qgz_reference as ref
+    from deepspeed.runtime.comm import quantized_fused
+    from deepspeed.runtime.comm import quantized_pipeline as pipeline
+    from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout
+    reason = quantized_fused.fused_unavailable_reason(device)
+    report.row("fused", "the fused kernels can run", "FAIL" if reason else "PASS", reason or device)
+    if reason:
+        return
+    stages = {
+        "reference": pipeline.pipeline_stages(ref),
+        "kernels": pipeline.pipeline_stages(checked),
+        "fused": pipeline.pipeline_stages(None, fused=True)
+    }
+    gen = torch.Generator().manual_seed(7)
+    topologies = FUSED_TOPOLOGIES[:1] if dry_run else FUSED_TOPOLOGIES
+    group_sizes = [136, 4096] if dry_run else FUSED_GROUP_SIZES
+    shapes = [(600, 40), (33, 17), (5, 5, 5)] if dry_run else [(3000, 257), (1031, 77), (33, 17), (5, 5, 5)]
+    for dtype_name, dtype in DTYPES.items():
+        for bits in (4, 8):
+            counts = {
+                "reference": {
+                    "stage 0": 0,
+                    "stage 1": 0,
+                    "stage 2": 0,
+                    "values": 0
+                },
+                "kernels": {
+                    "stage 2": 0,
+                    "values": 0
+                }
+            }
+            worst = 0.0
+            for num_nodes, local_size in topologies:
+                world = num_nodes * local_size
+                inputs = fused_inputs(shapes, world, dtype, gen)
+                moved = [[t.to(device) for t in tensors] for tensors in inputs]
+                for group_size in group_sizes:
+                    layout = quantized_reduce_layout(tuple(t.numel() for t in inputs[0]), num_nodes, local_size,
+                                                     group_size, bits)
+                    outputs = {(name, 0): run.quantize_partitions(moved[0], layout) for name, run in stages.items()}
+                    # stages 1 and 2 of every implementation on what the reference's exchanges carry
+                    base = stages["reference"]
+                    all_slots = [
+                        base.quantize_partitions(moved[r], layout).view(local_size, num_nodes, -1)
+                        for r in range(world)
+                    ]
+                    received = [
+                        torch.cat([all_slots[n * local_size + d][0] for d in range(local_size)])
+                        for n in range(num_nodes)
+                    ]
+                    sums = [base.reduce_within_node(received[n], layout) for n in range(num_nodes)]
+                    across = torch.stack([sums[n][0] for n in range(num_nodes)])
+                    for name, run in stages.items():
+                        outputs[name, 1] = run.reduce_within_node(received[0], layout)
+                        outputs[name, 2] = run.average_across_nodes(across, layout, dtype=dtype)
+                    counts["reference"]["stage 0"] += slot_mismatches(outputs["fused", 0], outputs["reference", 0],
+                                                                      layout.intra)
+                    counts["reference"]["stage 1"] += slot_mismatches(outputs["fused", 1], outputs["reference", 1],
+                                                                      layout.inter)
+                    counts["reference"]["stage 2"] += value_mismatches(outputs["fused", 2], outputs["reference", 2])
+                    counts["kernels"]["stage 2"] += value_mismatches(outputs["fused", 2], outputs["kernels", 2])
+                    counts["reference"]["values"] += outputs["fused", 2].numel()
+                    counts["kernels"]["values"] += outputs["fused", 2].numel()
+                    finite = torch.isfinite(outputs["fused", 2]) & torch.isfinite(outputs["kernels", 2])
+                    diff = (outputs["fused", 2][finite].double() - outputs["kernels", 2][finite].double()).abs()
+                    scale = outputs["kernels", 2][finite].double().abs().max() if finite.any() else 1.0
+                    worst = max(worst, float(diff.max() / scale) if diff.numel() else 0.0)
+            real = sum(v for k, v in counts["reference"].items() if k != "values")
+            report.row(
+                "fused", f"stages against the glue on the reference quantizer, {dtype_name}, {bits}/4",
+                "PASS" if real == 0 else "FAIL",
+                f"{len(topologies)} topologies x {len(group_sizes)} group sizes, mismatches: " +
+                ", ".join(f"{k} {v}" for k, v in counts["reference"].items()))
+            report.row(
+                "fused", f"stage 2 against the glue on the CUDA kernels, {dtype_name}, {bits}/4", "INFO",
+                f"values differing {counts['kernels']['stage 2']} of {counts['kernels']['values']} "
+                f"(fast-math last bits and ties), largest difference {worst:.2e} of the largest value")
+            report.record("fused", f"{dtype_name}/{bits}", {"counts": counts, "largest_difference": worst})
+    fused_speed(report, stages, device, dry_run)
+
+
+def fused_speed(report, stages, device, dry_run):
+    from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout
+    from deepspeed.runtime.comm.quantized_pipeline import chunk_cat
+    num_nodes, local_size = 3, 2
+    world = num_nodes * local_size
+    repeats = 2 if dry_run else 10
+    numel = 1 << (14 if dry_run else 24)
+    tensor = torch.randn(numel // 1024, 1024, device=device).to(torch.bfloat16)
+    for bits in (4, 8):
+        layout = quantized_reduce_layout((tensor.numel(), ), num_nodes, local_size, 136, bits)
+        run = stages["fused"]
+        slots = run.quantize_partitions([tensor], layout)
+        received = slots.view(local_size, num_nodes, -1)[0].repeat(local_size, 1)
+        sums = run.reduce_within_node(received, layout)
+        average = run.average_across_nodes(sums, layout, dtype=tensor.dtype)
+        copy = tensor.clone()
+        copy_s = timed(lambda: copy.copy_(tensor), device, repeats)
+        rates = {"copy": 2 * tensor.numel() * 2 / copy_s / 1e9}
+        for name, fn, moved in (("stage 0", lambda: run.quantize_partitions([tensor], layout), tensor.numel() * 2 +
+                                 slots.numel()), ("stage 1", lambda: run.reduce_within_node(received, layout),
+                                                  received.numel() + sums.numel()),
+                                ("stage 2", lambda: run.average_across_nodes(sums, layout, dtype=tensor.dtype),
+                                 sums.numel() + average.numel() * 2)):
+            rates[name] = moved / timed(fn, device, repeats) / 1e9
+        report.row("fused", f"kernels' GB/s (bytes read and written), {tensor.numel() / 1e6:g}M bf16, {bits}/4",
+                   "INFO", ", ".join(f"{k} {v:.0f}" for k, v in rates.items()))
+        report.record("fused", f"speed/{bits}", rates)
+    buckets = [1 << 16] if dry_run else PIPELINE_BUCKETS
+    for numel in buckets:
+        for dtype_name in ("fp16", "bf16"):
+            tensor = torch.randn(numel // 1024, 1024, device=device).to(DTYPES[dtype_name])
+            layout = quantized_reduce_layout((tensor.numel(), ), num_nodes, local_size, 136, 8)
+            cells = {}
+            for name in ("fused", "kernels", "reduce-scatter"):
+
+                def one_call(name=name):
+                    if name == "reduce-scatter":  # its copy-in and division, the collective left out
+                        buffer = torch.empty(world, -(-tensor.numel() // world), dtype=tensor.dtype, device=device)
+                        chunk_cat([tensor.view(-1)], buffer)
+                        return buffer.div_(world)
+                    run = stages[name]
+                    slots = run.quantize_partitions([tensor], layout)
+                    received = slots.view(local_size, num_nodes, -1)[0].repeat(local_size, 1)
+                    return run.average_across_nodes(run.reduce_within_node(received, layout),
+                                                    layout,
+                                                    dtype=tensor.dtype)
+
+                seconds = timed(one_call, device, repeats)
+                peak = "n/a"
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    one_call()
+                    torch.cuda.synchronize()
+                    peak = f"{(torch.cuda.max_memory_allocated() - base) / numel:.2f} B/elem"
+                cells[name] = {"ms": seconds * 1e3, "peak": peak}
+            report.row("fused", f"one call, {numel / 1e6:g}M {dtype_name}, 8/4, 3x2 (exchanges left out)", "INFO",
+                       "; ".join(f"{k} {v['ms']:.2f} ms, extra peak {v['peak']}" for k, v in cells.items()))
+            report.record("fused", f"call/{numel}/{dtype_name}", cells)
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def main():
@@ -690,6 +896,8 @@ def main():
         print("gpu_check: CUDA is needed", file=sys.stderr)
         return 2
     device = "cpu" if dry_run else "cuda"
+    if dry_run:  # the fused kernels on CPU tensors, in Triton's interpreter (before they are imported)
+        os.environ["TRITON_INTERPRET"] = "1"
     report = Report(Path(args.out) if args.out else None)
     ops = checked = None
     with report.section("environment"):
@@ -705,6 +913,8 @@ def main():
             ranks(report, device, dry_run)
         with report.section("speed"):
             speed(report, ops, checked, device, dry_run)
+        with report.section("fused"):
+            fused(report, checked, device, dry_run)
     report.record("total", "seconds", round(time.perf_counter() - report.start, 1))
     report.write()
     print("\n" + report.table())

@@ -229,12 +229,15 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _load_values(base, start, count, in_group):
+    def _load_values(base, start, count, in_group, DTYPE: tl.constexpr):
         """A step of a group's values (fp32, [ROWS, BLOCK]) from its gradient: elements start +
-        lane while the lane is below `count`, zeros after."""
+        lane while the lane is below `count`, zeros after. bf16 is read as its bits and widened on
+        them (the interpreter's bf16 conversion gets subnormals wrong; the bits are exact anywhere)."""
         lanes = tl.arange(0, in_group.shape[1])[None, :]
-        return tl.load(base[:, None] + start[:, None] + lanes, mask=in_group & (lanes < count[:, None]),
-                       other=0.0).to(tl.float32)
+        values = tl.load(base[:, None] + start[:, None] + lanes, mask=in_group & (lanes < count[:, None]), other=0)
+        if DTYPE == 1:
+            return (values.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return values.to(tl.float32)
 
     @triton.jit
     def _quantize_partitions_kernel(pointers, tensor_table, group_tensor, slots, groups, group_elems, slot_bytes,
@@ -252,7 +255,7 @@ if triton is not None:
         if DTYPE == 0:
             base = address.to(tl.pointer_type(tl.float16))
         elif DTYPE == 1:
-            base = address.to(tl.pointer_type(tl.bfloat16))
+            base = address.to(tl.pointer_type(tl.int16))  # bf16 bits: see _load_values
         else:
             base = address.to(tl.pointer_type(tl.float32))
         # the group's values: elements [start, start + count) of its tensor's partition, then zeros
@@ -263,7 +266,7 @@ if triton is not None:
 
         if ONE_STEP:
             in_group = live[:, None] & (lanes[None, :] < group_elems)
-            values = _load_values(base, start, count, in_group)
+            values = _load_values(base, start, count, in_group, DTYPE)
             positive, negative, nonfinite = _magnitudes(values, in_group)
         else:
             positive = tl.zeros([ROWS], dtype=tl.int32)
@@ -271,7 +274,7 @@ if triton is not None:
             nonfinite = tl.zeros([ROWS], dtype=tl.int32)
             for step in range(0, group_elems, BLOCK):
                 in_group = live[:, None] & (step + lanes[None, :] < group_elems)
-                values = _load_values(base, start + step, count - step, in_group)
+                values = _load_values(base, start + step, count - step, in_group, DTYPE)
                 step_positive, step_negative, step_nonfinite = _magnitudes(values, in_group)
                 positive = tl.maximum(positive, step_positive)
                 negative = tl.maximum(negative, step_negative)
@@ -294,7 +297,7 @@ if triton is not None:
         else:
             for step in range(0, group_elems, BLOCK):
                 in_group = live[:, None] & (step + lanes[None, :] < group_elems)
-                values = _load_values(base, start + step, count - step, in_group)
+                values = _load_values(base, start + step, count - step, in_group, DTYPE)
                 fp16 = _fp32_product(values, factor[:, None]).to(tl.float16).to(tl.float32)
                 _store_codes(slots, code_start + step * BITS // 8, _kernel_codes(fp16, scale, finite, BITS), in_group,
                              BITS, ROWS, BLOCK)

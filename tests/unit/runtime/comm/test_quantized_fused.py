@@ -53,8 +53,8 @@ def special_inputs(shapes, world, dtype, seed, special):
                 spots = torch.randint(0, flat.numel(), (3, ), generator=gen)
                 if special == "zero groups":
                     flat[:flat.numel() // 2].zero_()
-                elif special == "subnormals":
-                    flat.mul_(torch.finfo(dtype).tiny)
+                elif special == "subnormals":  # groups of subnormals and small normal values
+                    flat.mul_(4 * torch.finfo(dtype).tiny)
                     flat[spots] = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
                 elif special == "non-finite" and rank % 3 == 0:
                     flat[spots] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
