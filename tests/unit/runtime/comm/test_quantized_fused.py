@@ -74,22 +74,11 @@ def assert_same_slots(fused, default, fmt, what):
     assert torch.equal(fused[..., tail:], default[..., tail:]), f"{what}: the scale groups' tails differ"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(topology=st.sampled_from([(3, 2), (2, 3), (5, 1), (1, 4), (2, 8), (4, 2), (7, 1)]),
-       shapes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 9)), min_size=1, max_size=3),
-       large=st.booleans(),
-       dtype=st.sampled_from(DTYPES),
-       bits=st.sampled_from([4, 8]),
-       group_size=st.sampled_from([MIN_GROUP_SIZE, 256, 1024, 4096]),
-       special=st.sampled_from(SPECIALS),
-       seed=st.integers(0, 2**16))
-def test_each_stage_equals_the_default(stages, topology, shapes, large, dtype, bits, group_size, special, seed):
-    """Rank 0's three stages, fused and not, on the same inputs: the same slots and results. A
-    `large` tensor makes groups of more than a kernel step (2048 values) with large group sizes."""
+def check_each_stage(stages, topology, shapes, dtype, bits, group_size, special, seed):
+    """Rank 0's three stages, fused and not, on the same inputs: the same slots and results."""
     default, fused = stages
     num_nodes, local_size = topology
     world = num_nodes * local_size
-    shapes = shapes + ([(700 * world, 3)] if large else [])
     inputs = special_inputs(shapes, world, dtype, seed, special)
     layout = quantized_reduce_layout(tuple(t.numel() for t in inputs[0]), num_nodes, local_size, group_size, bits)
 
@@ -109,6 +98,30 @@ def test_each_stage_equals_the_default(stages, topology, shapes, large, dtype, b
     got = fused.average_across_nodes(across, layout, dtype=dtype)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     assert same_values(got, expected).all(), f"stage 2: {int((~same_values(got, expected)).sum())} values differ"
+
+
+@pytest.mark.parametrize("special", SPECIALS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_stage_equals_the_default_on_special_values(stages, dtype, special):
+    """Every dtype with every kind of special value, at both precisions, on 3 nodes x 2."""
+    for bits in (4, 8):
+        check_each_stage(stages, (3, 2), [(40, 30), (33, 17)], dtype, bits, MIN_GROUP_SIZE, special, 1)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(topology=st.sampled_from([(3, 2), (2, 3), (5, 1), (1, 4), (2, 8), (4, 2), (7, 1)]),
+       shapes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 9)), min_size=1, max_size=3),
+       large=st.booleans(),
+       dtype=st.sampled_from(DTYPES),
+       bits=st.sampled_from([4, 8]),
+       group_size=st.sampled_from([MIN_GROUP_SIZE, 256, 1024, 4096]),
+       special=st.sampled_from(SPECIALS),
+       seed=st.integers(0, 2**16))
+def test_each_stage_equals_the_default(stages, topology, shapes, large, dtype, bits, group_size, special, seed):
+    """Random topologies, shapes, group sizes, dtypes, precisions and special values. A `large`
+    tensor makes groups of more than a kernel step (2048 values) with large group sizes."""
+    shapes = shapes + ([(700 * topology[0] * topology[1], 3)] if large else [])
+    check_each_stage(stages, topology, shapes, dtype, bits, group_size, special, seed)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
