@@ -34,7 +34,7 @@ PACKAGE = _this_package()
 # The patch's own files, at DeepSpeed's source-tree paths: the code, and DeepSpeed's tests of it
 # (which `python -m deepspeed_qgz diff --deepspeed-tree` emits; the overlay never imports them).
 PATCH_DIRS = ("deepspeed", ) + tuple(source.rstrip("/") for source, _ in PACKAGE.LINKED_DIRS) + ("tests", )
-OVERLAY_SUFFIXES = {".py", ".cpp", ".h"}
+OVERLAY_SUFFIXES = {".py", ".cpp", ".h", ".json"}  # .json: a test's recorded outputs
 
 
 def overlay_files():

@@ -7,6 +7,8 @@ per rank, default 3 nodes x 2), on the same buckets in one run:
 
   qgz-4/4      the patched all_to_all_quant_reduce, int4 inside and across nodes
   qgz-8/4      the same, int8 inside the node, int4 across
+  qgz-*-fused  the same with fused=True: the stages as fused Triton kernels (counted from their
+               launches' arguments, not run: Triton's interpreter on a CPU says nothing of speed)
   upstream     DeepSpeed 0.19.8's all_to_all_quant_reduce, loaded from the installed file, with
                the CPU quantizer op as its quantizer (per tensor; falls back as 0.19.8 does; its
                sub-warp reductions computed as if CUDA defined them)
@@ -17,7 +19,10 @@ For each: the slowest rank's median wall time here, the work a GPU would launch 
 ops, quantizer kernel calls, bytes of the tensors each reads or writes, per gradient element), the
 collectives and the bytes each rank sends inside and across nodes, and two modeled times: the GPU
 work (LAUNCH_S per op or kernel, HBM_BPS) and the network (LATENCY_S per collective, link bandwidths).
-Then, in fresh worlds, the extra peak resident memory of one call on a large single tensor.
+Then, in fresh worlds, the extra peak resident memory of one call on a large single tensor (and,
+for the fused kernels, which the interpreter runs slowly, on a smaller one, next to the default on
+it), with glibc's mmap threshold fixed at 1 MB (MALLOC_MMAP_THRESHOLD_) so that what a call frees
+goes back to the system and the peak is the call's, not the C library's retention.
 Writes qgz_collectives.json, .md and .png to --out.
 
     python benchmarks/qgz_collectives.py [--nodes 3 --devices 2] [--repeats 7] [--out DIR]
@@ -45,12 +50,20 @@ INTRA_NODE_BPS = 300e9
 INTER_NODE_BPS = 25e9
 
 DTYPES = ("fp16", "bf16")
-METHODS = ("qgz-4/4", "qgz-8/4", "upstream", "rs", "upstream-rs")
-QGZ_METHODS = {"qgz-4/4": 4, "qgz-8/4": 8}
+METHODS = ("qgz-4/4", "qgz-8/4", "qgz-4/4-fused", "qgz-8/4-fused", "upstream", "rs", "upstream-rs")
+QGZ_METHODS = {"qgz-4/4": 4, "qgz-8/4": 8, "qgz-4/4-fused": 4, "qgz-8/4-fused": 8}
+FUSED_METHODS = ("qgz-4/4-fused", "qgz-8/4-fused")
 MEMORY_METHODS = ("qgz-4/4", "qgz-8/4", "upstream")
 # A large single tensor for the memory measurement: 4096 x 6144 = 25.2M elements, a multiple of
 # 2 x world at 3x2, so 0.19.8 quantizes it too.
 MEMORY_SHAPE = (4096, 6144)
+# The fused kernels' memory, with the kernels run in Triton's interpreter: a 512 x 1536 tensor
+# (0.79M elements), the default path on it too.
+FUSED_MEMORY_SHAPE = (512, 1536)
+FUSED_MEMORY_METHODS = ("qgz-4/4", "qgz-8/4", "qgz-4/4-fused", "qgz-8/4-fused")
+# The environment of the worlds: the fused kernels in Triton's interpreter (CPU tensors).
+WORLD_ENV = {"TRITON_INTERPRET": "1"}
+MEMORY_ENV = dict(WORLD_ENV, MALLOC_MMAP_THRESHOLD_="1048576")
 
 
 def buckets():
@@ -98,6 +111,8 @@ def methods(ours, upstream, groups):
     return {
         "qgz-4/4": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=4)),
         "qgz-8/4": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=8)),
+        "qgz-4/4-fused": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=4, fused=True)),
+        "qgz-8/4-fused": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=8, fused=True)),
         "upstream": (upstream, lambda ts: upstream.all_to_all_quant_reduce(ts, groups)),
         "rs": (ours, lambda ts: ours.reduce_scatter_coalesced(ts)),
         "upstream-rs": (upstream, lambda ts: upstream.reduce_scatter_coalesced(ts)),
@@ -127,11 +142,13 @@ def work_worker(args):
                     "elems": elems
                 }
                 quantizer = quantizers["ours" if module is ours else "upstream"]
+                fused = method in FUSED_METHODS
                 try:
-                    call([t.clone() for t in tensors])  # warm-up
+                    if not fused:
+                        call([t.clone() for t in tensors])  # warm-up
                     ours.qgz_accounting.reset()
                     inputs = [t.clone() for t in tensors]
-                    work = WorkCounter()
+                    work = WorkCounter(run_launches=not fused)
                     module.quantizer_module = work.counting_quantizer(quantizer)
                     with CollectiveCounter([ours, upstream], world, args.devices) as traffic:
                         with work:
@@ -146,7 +163,7 @@ def work_worker(args):
                     if method in QGZ_METHODS:
                         row["padding_elems"] = ours.qgz_accounting.last_call.padding_elems
                     times = []
-                    for _ in range(args.repeats):
+                    for _ in range(0 if fused else args.repeats):
                         inputs = [t.clone() for t in tensors]
                         dist.barrier()
                         start = time.perf_counter()
@@ -154,7 +171,7 @@ def work_worker(args):
                         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                         times.append(float(elapsed))
-                    row["median_s"] = statistics.median(times)
+                    row["median_s"] = statistics.median(times) if times else None
                 except Exception as exc:  # noqa: BLE001 - reported in the table
                     module.quantizer_module = quantizer
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
@@ -166,8 +183,9 @@ def work_worker(args):
 
 
 def memory_worker(args):
-    """Extra peak resident memory of one call on MEMORY_SHAPE, in a fresh process: the peak before
-    the call (imports, a warm-up call on a small tensor, the input) against the peak after it."""
+    """Extra peak resident memory of one call on a tensor of --memory-shape, in a fresh process: the
+    peak before the call (imports, a warm-up call on a small tensor, the input) against the peak
+    after it."""
     import torch
     from qgz_harness import write_report
 
@@ -176,7 +194,7 @@ def memory_worker(args):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.memory_dtype]
     call = methods(ours, upstream, groups)[args.memory_method][1]
     call([torch.ones(96, 64, dtype=dtype)])
-    tensor = torch.randn(MEMORY_SHAPE, dtype=dtype)
+    tensor = torch.randn(*args.memory_shape, dtype=dtype)
     gc.collect()
     dist.barrier()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -239,19 +257,26 @@ def report(results, memory, args):
                     f"{r['collectives']} | {r['bytes'] / r['elems']:.1f} | {r['intra_bytes'] / 1e3:.1f} | "
                     f"{r['intra_bytes'] / rs['intra_bytes']:.3f}x | {r['inter_bytes'] / 1e3:.1f} | "
                     f"{r['inter_bytes'] / rs['inter_bytes']:.3f}x | {padding} | {gpu_s(r) * 1e6:.0f} | "
-                    f"{network_s(r) * 1e6:.0f} | {r['median_s'] * 1e3:.2f} |")
-    lines += [
-        "", f"Extra peak resident memory of one call on a {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]} tensor "
-        f"({MEMORY_SHAPE[0] * MEMORY_SHAPE[1] / 1e6:.1f}M elements), bytes per gradient element, the largest over "
-        "the ranks:", "", "| dtype | " + " | ".join(MEMORY_METHODS) + " |", "|---|" + "---:|" * len(MEMORY_METHODS)
-    ]
-    for dtype_name in DTYPES:
-        cells = []
-        for method in MEMORY_METHODS:
-            m = memory[(dtype_name, method)]
-            cells.append(f"n/a: {m['error']}" if m["error"] else f"{m['extra_bytes'] / m['elems']:.1f}")
-        lines.append(f"| {dtype_name} | " + " | ".join(cells) + " |")
+                    f"{network_s(r) * 1e6:.0f} | {wall_ms(r)} |")
+    for shape, names in ((MEMORY_SHAPE, MEMORY_METHODS), (FUSED_MEMORY_SHAPE, FUSED_MEMORY_METHODS)):
+        lines += [
+            "", f"Extra peak resident memory of one call on a {shape[0]} x {shape[1]} tensor "
+            f"({shape[0] * shape[1] / 1e6:.2f}M elements), bytes per gradient element, the largest over the ranks "
+            "(glibc's mmap threshold at 1 MB):", "", "| dtype | " + " | ".join(names) + " |",
+            "|---|" + "---:|" * len(names)
+        ]
+        for dtype_name in DTYPES:
+            cells = []
+            for method in names:
+                m = memory[(shape, dtype_name, method)]
+                cells.append(f"n/a: {m['error']}" if m["error"] else f"{m['extra_bytes'] / m['elems']:.2f}")
+            lines.append(f"| {dtype_name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def wall_ms(row):
+    """The wall-time cell: the fused kernels' launches were counted, not run."""
+    return "n/a (not run)" if row["median_s"] is None else f"{row['median_s'] * 1e3:.2f}"
 
 
 def chart(results, path):
@@ -261,19 +286,19 @@ def chart(results, path):
     names = [b for b in buckets()]
     by_key = {(r["bucket"], r["method"]): r for r in results if r["dtype"] == "fp16"}
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    width = 0.16
+    width = 0.8 / len(METHODS)
     for ax, metric, label in ((axes[0], gpu_s, "modeled GPU work, us (launches + HBM traffic)"),
                               (axes[1], network_s, "modeled network, us (collectives + link bytes)")):
         for i, method in enumerate(METHODS):
             values = [metric(by_key[(b, method)]) * 1e6 if "error" not in by_key[(b, method)] else 0 for b in names]
-            ax.bar([x + (i - 2) * width for x in range(len(names))], values, width, label=method)
+            ax.bar([x + (i - (len(METHODS) - 1) / 2) * width for x in range(len(names))], values, width, label=method)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, fontsize=7)
         ax.set_title(label, fontsize=10)
         ax.set_yscale("log")
         ax.legend(fontsize=8)
-    fig.suptitle("one fp16 gradient reduce-scatter call per bucket, 3 nodes x 2: qgZ 4/4 and 8/4 (patched) vs "
-                 "DeepSpeed 0.19.8 vs the unquantized reduce-scatter")
+    fig.suptitle("one fp16 gradient reduce-scatter call per bucket, 3 nodes x 2: qgZ 4/4 and 8/4 (patched, on "
+                 "DeepSpeed's kernels and fused) vs DeepSpeed 0.19.8 vs the unquantized reduce-scatter")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -287,6 +312,7 @@ def main():
     parser.add_argument("--worker", choices=("work", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--memory-method", help=argparse.SUPPRESS)
     parser.add_argument("--memory-dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-shape", type=int, nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "work":
         return work_worker(args)
@@ -302,29 +328,41 @@ def main():
     ]
     log(f"collectives: {len(buckets())} buckets x {len(DTYPES)} dtypes x {len(METHODS)} methods at "
         f"{args.nodes}x{args.devices}")
-    results = run_world(common + ["--worker", "work"], args.nodes, args.devices, timeout=1800)[0]["results"]
+    results = run_world(common + ["--worker", "work"], args.nodes, args.devices, timeout=1800,
+                        env=WORLD_ENV)[0]["results"]
     memory = {}
-    for dtype_name in DTYPES:
-        for method in MEMORY_METHODS:
-            if method == "upstream" and dtype_name != "fp16":
-                memory[(dtype_name, method)] = {"error": "0.19.8 hands bf16 bits to fp16 kernels", "extra_bytes": 0}
-                continue
-            log(f"memory: one {method} call on {MEMORY_SHAPE[0]} x {MEMORY_SHAPE[1]} {dtype_name} in a fresh world")
-            reports = run_world(
-                common + ["--worker", "memory", "--memory-method", method, "--memory-dtype", dtype_name], args.nodes,
-                args.devices)
-            memory[(dtype_name, method)] = max(reports, key=lambda r: r["extra_bytes"])
+    for shape, names in ((MEMORY_SHAPE, MEMORY_METHODS), (FUSED_MEMORY_SHAPE, FUSED_MEMORY_METHODS)):
+        for dtype_name in DTYPES:
+            for method in names:
+                if method == "upstream" and dtype_name != "fp16":
+                    memory[(shape, dtype_name, method)] = {
+                        "error": "0.19.8 hands bf16 bits to fp16 kernels",
+                        "extra_bytes": 0
+                    }
+                    continue
+                log(f"memory: one {method} call on {shape[0]} x {shape[1]} {dtype_name} in a fresh world")
+                reports = run_world(common + [
+                    "--worker", "memory", "--memory-method", method, "--memory-dtype", dtype_name, "--memory-shape",
+                    *map(str, shape)
+                ],
+                                    args.nodes,
+                                    args.devices,
+                                    timeout=1800,
+                                    env=MEMORY_ENV)
+                memory[(shape, dtype_name, method)] = max(reports, key=lambda r: r["extra_bytes"])
     table = report(results, memory, args)
     print(table)
     out = Path(args.out)
     (out / "qgz_collectives.json").write_text(
-        json.dumps({
-            "results": results,
-            "memory": {
-                f"{d}/{m}": v
-                for (d, m), v in memory.items()
-            }
-        }, indent=1))
+        json.dumps(
+            {
+                "results": results,
+                "memory": {
+                    f"{shape[0]}x{shape[1]}/{d}/{m}": v
+                    for (shape, d, m), v in memory.items()
+                }
+            },
+            indent=1))
     (out / "qgz_collectives.md").write_text(table + "\n")
     chart(results, out / "qgz_collectives.png")
     log(f"wrote {out}/qgz_collectives.json, .md, .png")

@@ -38,9 +38,9 @@ def _overlay_files():
 
 
 def _test_files():
-    """(DeepSpeed source-tree path, file) for every test file of the patch."""
-    for path in sorted((TREE / TESTS).rglob("*.py")):
-        if "__pycache__" not in path.parts:
+    """(DeepSpeed source-tree path, file) for every test file of the patch (and test data)."""
+    for path in sorted((TREE / TESTS).rglob("*")):
+        if path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
             yield path.relative_to(TREE).as_posix(), path
 
 

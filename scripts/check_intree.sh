@@ -33,8 +33,12 @@ pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements-dev.txt" ni
 DS_QGZ_TOOLS_ONLY=1 pip install -q --no-deps "$ROOT"
 python -m deepspeed_qgz status
 cd "$WORK"
+# What does not depend on how the patch is installed runs once, on the overlay route (scripts/test.sh):
+# the convergence benchmark's smoke run, the GPU check's dry run, and the fused kernels' tests in
+# Triton's interpreter (the fused ZeRO-3 training and the config key's refusal run here too).
 say "in-tree: the project's tests against the patched DeepSpeed"
 QGZ_UPSTREAM_DEEPSPEED="$WORK/upstream/deepspeed-0.19.8" \
-    python -m pytest -p no:cacheprovider -q -rA --durations=5 "$ROOT/project_tests" "$@"
+    python -m pytest -p no:cacheprovider -q -rA --durations=5 "$ROOT/project_tests" \
+    -k "not test_convergence_benchmark_smoke and not test_gpu_check_script_logic_on_cpu" "$@"
 say "in-tree: the patch's DeepSpeed tests against the patched DeepSpeed"
-bash "$ROOT/scripts/deepspeed_tests.sh" "$@"
+bash "$ROOT/scripts/deepspeed_tests.sh" -k "not test_quantized_fused and not test_fused_equals_the_default" "$@"

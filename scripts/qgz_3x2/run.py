@@ -4,9 +4,12 @@
 # DeepSpeed Team
 """Run the report's training on 3 nodes x 2 processes on this machine: three torchrun agents with
 a c10d rendezvous on 127.0.0.1, LOCAL_SIZE=2 so DeepSpeed's CPU accelerator sees two devices per
-node. With --compare, runs qgZ on and off and prints both loss curves side by side."""
+node. With --compare, runs qgZ on and off, and qgZ on with the fused Triton kernels
+(zero_quantized_gradients_fused, in Triton's interpreter here), and prints the loss curves side by
+side."""
 
 import argparse
+import importlib.util
 import json
 import math
 import re
@@ -32,7 +35,7 @@ def build_op():
     log(f"op build: done in {time.perf_counter() - start:.1f} s")
 
 
-def run(config, steps, label="", timeout=900):
+def run(config, steps, label="", timeout=900, env=None):
     """Returns ({rank: [loss per step]}, rank 0's report (its reduce-scatter summary under "qgz",
     the trained weights under "weights"), the agents' combined output)."""
     progress = Progress(steps, label) if label else None
@@ -51,6 +54,7 @@ def run(config, steps, label="", timeout=900):
                                     NODES,
                                     PROCS_PER_NODE,
                                     timeout=timeout,
+                                    env=env,
                                     on_output=on_output)
         reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(losses_dir).glob("rank*.json")}
     if sorted(reports) != list(range(NODES * PROCS_PER_NODE)):
@@ -77,22 +81,38 @@ def main():
     args = parser.parse_args()
 
     build_op()
-    runs = 2 if args.compare else 1
+    runs = 3 if args.compare else 1
     log(f"run 1/{runs}: zero_quantized_gradients true, {NODES} torchrun agents x {PROCS_PER_NODE} processes")
     qgz_losses, qgz, _ = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ")
-    exact_losses = exact = None
+    exact_losses = exact = fused_losses = fused = None
     if args.compare:
         log(f"run 2/{runs}: zero_quantized_gradients false")
         exact_losses, exact, _ = run(HERE / "ds_config_exact.json", args.steps, "qgZ off")
+        if importlib.util.find_spec("triton") is None:
+            log(f"run 3/{runs}: skipped, Triton is not installed (the fused kernels need it)")
+        else:
+            log(f"run 3/{runs}: zero_quantized_gradients true with zero_quantized_gradients_fused true (the fused "
+                "Triton kernels, in Triton's interpreter on this CPU)")
+            with tempfile.TemporaryDirectory() as folder:
+                config = json.loads((HERE / "ds_config_qgz.json").read_text())
+                config["zero_optimization"]["zero_quantized_gradients_fused"] = True
+                (Path(folder) / "ds_config.json").write_text(json.dumps(config))
+                fused_losses, fused, _ = run(Path(folder) / "ds_config.json",
+                                             args.steps,
+                                             "fused  ",
+                                             env={"TRITON_INTERPRET": "1"})
     print(f"{NODES} nodes x {PROCS_PER_NODE} processes, ZeRO-3, bf16, {args.steps} steps; loss per step, the mean "
           f"over the {len(qgz_losses)} ranks")
-    print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'difference':>11}" if exact_losses else ""))
+    print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'difference':>11}" if exact_losses else "") +
+          (f"  {'qgZ fused':>10}" if fused_losses else ""))
     for step in range(args.steps):
         loss = mean_loss(qgz_losses, step)
         line = f"{step:>4}  {loss:>10.6f}"
         if exact_losses:
             ref = mean_loss(exact_losses, step)
             line += f"  {ref:>10.6f}  {loss - ref:>+11.6f}"
+        if fused_losses:
+            line += f"  {mean_loss(fused_losses, step):>10.6f}"
         print(line)
     finite = all(math.isfinite(loss) for losses in qgz_losses.values() for loss in losses)
     print(f"all {len(qgz_losses)} ranks finite: {finite}")
@@ -100,6 +120,11 @@ def main():
     print(f"qgZ: {summary['calls']} calls, {summary['quantized_tensors']} tensors ({summary['quantized_elems']} "
           f"elements) quantized, {summary['padding_elems']} padding elements added, {summary['exact_tensors']} 1-D "
           f"tensors exact, {summary['collective_calls']} collective calls")
+    same = True
+    if fused:
+        same = fused_losses == qgz_losses and fused["weights"] == qgz["weights"]
+        print(f"qgZ fused against qgZ on DeepSpeed's kernels: every rank's losses and the trained weights "
+              f"identical: {same}")
     if exact:
         print(f"trained weights, qgZ on against off: relative difference "
               f"{relative_difference(qgz['weights'], exact['weights']):.2e}")
@@ -107,7 +132,7 @@ def main():
             on = summary[f"{where}_node_bytes"] / args.steps
             off = exact["qgz"][f"{where}_node_bytes"] / args.steps
             print(f"{where}-node bytes per step and rank: qgZ on {on:.0f}, off {off:.0f} ({on / off:.3f}x)")
-    return 0 if finite and summary["quantized_tensors"] > 0 else 1
+    return 0 if finite and summary["quantized_tensors"] > 0 and same else 1
 
 
 if __name__ == "__main__":

@@ -31,9 +31,13 @@ differently unless told otherwise:
 * Every product and quotient of the reference is computed in fp64 and rounded once to fp32 (a
   product of two fp32 numbers is exact in fp64; a quotient rounded twice through 53 bits is the
   correctly rounded fp32 quotient). So no division goes through fp32 ``/``, which compiles to an
-  approximate division on NVIDIA GPUs, or through libdevice, whose fp32 division Triton builds to
-  flush subnormals; and no fp32 subnormal enters fp32 arithmetic, where a GPU could flush it.
-* Magnitudes, maxima, signs and binary exponents are taken on the fp32 bit patterns as integers.
+  approximate division on NVIDIA GPUs, or through libdevice, which Triton links with
+  flush-to-zero on (``enable_reflect_ftz``); and no fp32 subnormal enters fp32 arithmetic, where a
+  GPU could flush it. (fp32 to fp64 and back keep subnormals unless compiled to flush them; the
+  GPU check's subnormal inputs would show it.)
+* Magnitudes, maxima, signs and binary exponents are taken on the fp32 bit patterns as integers,
+  and bf16 gradients are widened to fp32 on their bits (Triton 3.9's interpreter converts bf16
+  subnormals wrongly).
 * Rounding to an integer is written out (floor, then half to even); nothing casts a float to an
   int before it is integral.
 * Every launch passes ``enable_fp_fusion=False``: a GPU would otherwise contract ``x * s + c``

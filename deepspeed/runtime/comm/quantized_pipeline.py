@@ -247,12 +247,12 @@ def sum_chunks(fmt: SlotFormat, copies: int, summed: int, elements: int) -> Tupl
     parameters are 0, so they dequantize to zeros), which is the whole received buffer, read as it
     is. Otherwise the groups of the padded partition in as few chunks as keep within the budget,
     each of at least CHUNK_VALUES values and copied out of the received buffer first."""
-    values = copies * fmt.slot_elems
-    count = math.ceil(values * sum_chunk_temporaries(fmt, summed) / (CHUNK_BUDGET * elements))
-    if values <= CHUNK_VALUES or count <= 1:
+    values, per_value = copies * fmt.slot_elems, sum_chunk_temporaries(fmt, summed)
+    if values <= CHUNK_VALUES or values * per_value <= CHUNK_BUDGET * elements:
         return ((0, fmt.slot_groups), )
+    per_group = copies * fmt.group_elems  # values of one group of every copy
+    per_chunk = max(int(CHUNK_BUDGET * elements // (per_group * per_value)), -(-CHUNK_VALUES // per_group))
     groups = fmt.groups_per_partition
-    per_chunk = max(-(-groups // count), -(-CHUNK_VALUES // (copies * fmt.group_elems)))
     return tuple((first, min(first + per_chunk, groups)) for first in range(0, groups, per_chunk))
 
 

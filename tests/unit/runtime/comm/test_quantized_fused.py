@@ -108,7 +108,7 @@ def test_each_stage_equals_the_default_on_special_values(stages, dtype, special)
         check_each_stage(stages, (3, 2), [(40, 30), (33, 17)], dtype, bits, MIN_GROUP_SIZE, special, 1)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topology=st.sampled_from([(3, 2), (2, 3), (5, 1), (1, 4), (2, 8), (4, 2), (7, 1)]),
        shapes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 9)), min_size=1, max_size=3),
        large=st.booleans(),
