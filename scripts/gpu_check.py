@@ -815,7 +815,40 @@ def fused(report, checked, device, dry_run):
                 f"values differing {counts['kernels']['stage 2']} of {counts['kernels']['values']} "
                 f"(fast-math last bits and ties), largest difference {worst:.2e} of the largest value")
             report.record("fused", f"{dtype_name}/{bits}", {"counts": counts, "largest_difference": worst})
+    fused_no_sync(report, stages, device)
     fused_speed(report, stages, device, dry_run)
+
+
+def fused_no_sync(report, stages, device):
+    """One fused call on a side stream with host synchronizations made errors (on a GPU)."""
+    from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout
+    gen = torch.Generator().manual_seed(9)
+    tensors = [t.to(device) for t in cluster_inputs([(1031, 77), (33, 17)], 1, torch.bfloat16, gen)[0]]
+    layout = quantized_reduce_layout(tuple(t.numel() for t in tensors), 3, 2, 136, 8)
+    run = stages["fused"]
+
+    def one_call():
+        slots = run.quantize_partitions(tensors, layout)
+        received = slots.view(2, 3, -1)[0].repeat(2, 1)
+        return run.average_across_nodes(run.reduce_within_node(received, layout), layout, dtype=torch.bfloat16)
+
+    expected = one_call()  # compiles the kernels and caches the layout's tables (copies that synchronize)
+    if device == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = one_call()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        where = "side stream, sync debug mode 'error'"
+    else:
+        got, where = one_call(), "CPU (dry run)"
+    same = value_mismatches(got, expected) == 0
+    report.row("fused", "one call without a host synchronization", "PASS" if same else "FAIL",
+               f"{where}; the same bits as the call before: {same}")
 
 
 def fused_speed(report, stages, device, dry_run):
