@@ -424,19 +424,25 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
+    def _within(x, largest):
+        """x limited to [-largest, largest] before a narrowing conversion, so that none overflows
+        (infinities included); NaN kept (where, not min/max, which ignore NaN on a GPU)."""
+        return tl.where(x > largest, largest, tl.where(x < -largest, -largest, x))
+
+    @triton.jit
     def _result(sums, factor, DTYPE: tl.constexpr):
         """The result in the gradients' dtype from the fp64 sums, saturated at its largest value
-        (infinities replaced, NaN kept: no min/max, which ignore NaN on a GPU): fp16 values, bf16 bits
-        (int32, rounded to nearest even), fp32 values."""
+        (what saturating the default path's converted result gives: values past the largest, which
+        round to infinity, and infinities become it; NaN kept): fp16 values, bf16 bits (int32,
+        rounded to nearest even), fp32 values."""
         if DTYPE == 0:
-            value = sums.to(tl.float32).to(tl.float16).to(tl.float32)
-            return tl.where(value == float("inf"), 65504.0, tl.where(value == float("-inf"), -65504.0, value))
-        value = (sums * factor[:, None]).to(tl.float32)
+            return _within(sums.to(tl.float32), 65504.0).to(tl.float16).to(tl.float32)
+        value = _within(sums * factor[:, None], 3.4028234663852886e38).to(tl.float32)
         if DTYPE == 2:
-            largest = 3.4028234663852886e38
-            return tl.where(value == float("inf"), largest, tl.where(value == float("-inf"), -largest, value))
+            return value
         bits = value.to(tl.int32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        # FLT_MAX and the values just below it round up to bf16's infinity: its largest value instead
         rounded = tl.where(rounded == 0x7F80, 0x7F7F, tl.where(rounded == 0xFF80, 0xFF7F, rounded))
         return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
 
