@@ -82,6 +82,7 @@ class TestQuantizedGradientsConfigReachesTheCall(DistributedTest):
     """At 3 nodes x 2 ranks, a ZeRO-3 step with non-default keys: stage 3 hands them to
     all_to_all_quant_reduce, whose accounting shows the layout they make."""
     world_size = 6
+    reuse_dist_env = True
 
     def test_keys_reach_all_to_all_quant_reduce(self):
         from deepspeed.runtime.comm import coalesced_collectives
@@ -127,6 +128,7 @@ class TestFusedKernelsTrainAsTheDefault(DistributedTest):
     """At 3 nodes x 2 ranks, ZeRO-3 with zero_quantized_gradients_fused true: the same losses and
     the same weights, bit for bit, as with DeepSpeed's quantizer kernels, step by step."""
     world_size = 6
+    reuse_dist_env = True
 
     def test_fused_training_equals_the_default(self):
         from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason
