@@ -316,6 +316,21 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
+    def _scale_magnitudes(received, scale_start, stride, count, live, ROWS: tl.constexpr):
+        """Of `count` copies of ROWS groups' fp32 scales, `stride` bytes apart: the largest finite
+        magnitude (its bits, int32) and whether all of them are finite."""
+        largest = tl.zeros([ROWS], dtype=tl.int32)
+        nonfinite = tl.zeros([ROWS], dtype=tl.int32)
+        for copy in range(count):
+            scale = tl.load((received + scale_start + copy * stride).to(tl.pointer_type(tl.float32)),
+                            mask=live,
+                            other=0.0)
+            magnitude = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            largest = tl.maximum(largest, tl.where(magnitude < 0x7F800000, magnitude, 0))
+            nonfinite = tl.maximum(nonfinite, tl.where(magnitude >= 0x7F800000, 1, 0))
+        return largest, nonfinite == 0
+
+    @triton.jit
     def _node_sums(received, code_start, scale_start, copy_stride, exponent, finite, live, in_group, copies,
                    IN_BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         """A step of the node's sums of a group's copies ([ROWS, BLOCK]): at 8 bits the exact sums in
@@ -355,16 +370,7 @@ if triton is not None:
         scale_start = slot_start + groups * in_group_bytes + 4 * rows.to(tl.int64)
 
         # the summing exponent: every copy's scale below 2**-summing_bits after it
-        largest = tl.zeros([ROWS], dtype=tl.int32)
-        nonfinite = tl.zeros([ROWS], dtype=tl.int32)
-        for copy in range(copies):
-            scale = tl.load((received + scale_start + copy * copy_stride).to(tl.pointer_type(tl.float32)),
-                            mask=live,
-                            other=0.0)
-            magnitude = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            largest = tl.maximum(largest, tl.where(magnitude < 0x7F800000, magnitude, 0))
-            nonfinite = tl.maximum(nonfinite, tl.where(magnitude >= 0x7F800000, 1, 0))
-        finite = nonfinite == 0
+        largest, finite = _scale_magnitudes(received, scale_start, copy_stride, copies, live, ROWS)
         exponent = tl.where(finite, _binary_exponent(largest), 0) + summing_bits
 
         lanes = tl.arange(0, BLOCK)
@@ -460,13 +466,7 @@ if triton is not None:
             down = tl.zeros([ROWS], dtype=tl.float64)
         else:
             # the nodes' scales brought near 1 by a power of two; the factor it leaves, over the world
-            largest = tl.zeros([ROWS], dtype=tl.int32)
-            for node in range(num_nodes):
-                scale = tl.load((received + scale_start + node * slot_bytes).to(tl.pointer_type(tl.float32)),
-                                mask=live,
-                                other=0.0)
-                magnitude = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-                largest = tl.maximum(largest, tl.where(magnitude < 0x7F800000, magnitude, 0))
+            largest, _ = _scale_magnitudes(received, scale_start, slot_bytes, num_nodes, live, ROWS)
             exponent = _binary_exponent(largest)
             down = _power_of_two(-exponent)
             factor = (_power_of_two(exponent) / world).to(tl.float32).to(
