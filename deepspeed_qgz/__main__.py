@@ -129,14 +129,16 @@ def _patch(root, deepspeed_tree=None):
         yield path, text, apply_edits(path, text)
     if deepspeed_tree is None:
         return
+    tests = dict(_test_files())
     for path in edited_paths(in_package=False):
-        text = (deepspeed_tree / path).read_text()
-        yield path, text, apply_edits(path, text)
-    for path, ours in _test_files():
+        if path not in tests:
+            text = (deepspeed_tree / path).read_text()
+            yield path, text, apply_edits(path, text)
+    for path, ours in tests.items():
         upstream = deepspeed_tree / path
-        if upstream.exists():
+        if upstream.exists():  # DeepSpeed's test module, edited, then extended by ours
             text = upstream.read_text()
-            yield path, text, extend_module(text, ours.read_text())
+            yield path, text, extend_module(apply_edits(path, text), ours.read_text())
         else:
             yield path, None, ours.read_text()
 
