@@ -31,7 +31,10 @@ pip install -q -c "$CONSTRAINTS" torch==2.13.0
 pip install -q -c "$CONSTRAINTS" "$WORK/patched/deepspeed-0.19.8"
 pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements-dev.txt" ninja
 DS_QGZ_TOOLS_ONLY=1 pip install -q --no-deps "$ROOT"
+say "in-tree: op builds (the CPU quantizer op; DeepSpeed's CPU Adam and shared-memory ops beside it)"
+start_deepspeed_ops_build
 python -m deepspeed_qgz status
+wait_for_deepspeed_ops
 cd "$WORK"
 # What does not depend on how the patch is installed runs once, on the overlay route (scripts/test.sh):
 # the convergence benchmark's smoke run, the GPU check's dry run, the tests of the new modules and the

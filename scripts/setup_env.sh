@@ -21,3 +21,23 @@ say "environment: deepspeed 0.19.8 (a source distribution: about 15 s to build t
 pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements.txt" -r "$ROOT/requirements/requirements-dev.txt"
 say "environment: this package (deepspeed-qgz${DS_QGZ_TOOLS_ONLY:+, tools only})"
 pip install -q -c "$CONSTRAINTS" --force-reinstall --no-deps "$ROOT"
+
+# DeepSpeed's CPU Adam and shared-memory ops, which the trainings and the worlds of the tests load
+# (the first load builds them: one to two minutes on two cores), built in the background while the
+# quantizer op, one source file, builds on one core. wait_for_deepspeed_ops waits for them and shows
+# their log if the build failed.
+start_deepspeed_ops_build() {
+    OPS_LOG=$(mktemp)
+    python -c 'from deepspeed.accelerator import get_accelerator
+for name in ("FusedAdamBuilder", "ShareMemCommBuilder"):
+    get_accelerator().create_op_builder(name).load()' >"$OPS_LOG" 2>&1 &
+    OPS_PID=$!
+}
+wait_for_deepspeed_ops() {
+    if ! wait "$OPS_PID"; then
+        cat "$OPS_LOG"
+        say "DeepSpeed's CPU Adam and shared-memory ops failed to build (above)"
+        return 1
+    fi
+    rm -f "$OPS_LOG"
+}

@@ -8,11 +8,13 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
-say "op build and overlay state (the CPU quantizer op builds in about 40 s the first time)"
+say "op builds and overlay state (the CPU quantizer op builds in about 40 s the first time; DeepSpeed's CPU Adam and shared-memory ops build beside it and the linters)"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
+start_deepspeed_ops_build
 (cd "$WORK" && python -m deepspeed_qgz status)
 bash "$ROOT/scripts/lint.sh"
+wait_for_deepspeed_ops
 say "suite: DeepSpeed 0.19.8 with the overlay: the project's tests"
 (cd "$WORK" && python -m pytest -p no:cacheprovider -q -rA --durations=10 "$ROOT/project_tests" "$@")
 say "suite: DeepSpeed 0.19.8 with the overlay: the patch's DeepSpeed tests"
