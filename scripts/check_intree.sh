@@ -47,7 +47,7 @@ say "in-tree: the project's tests against the patched DeepSpeed"
 QGZ_UPSTREAM_DEEPSPEED="$WORK/upstream/deepspeed-0.19.8" \
     python -m pytest -p no:cacheprovider -q -rA --durations=5 "$ROOT/project_tests" \
     -k "not test_convergence_benchmark_smoke and not test_gpu_check_script_logic_on_cpu" "$@"
-say "in-tree: the modules the patch adds are this repository's files"
+say "in-tree: the modules the patch adds or replaces are this repository's files"
 INSTALLED=$(python -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('deepspeed').origin))")/..
 for file in $(git -C "$ROOT" ls-files deepspeed); do
     cmp "$ROOT/$file" "$INSTALLED/$file"
