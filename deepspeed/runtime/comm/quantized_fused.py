@@ -25,42 +25,57 @@ average_across_nodes   reads the nodes' sums of each group, dequantizes, sums, a
 Each launcher sits under its kernel. The pipeline selects them (``fused=True``); the glue stages
 are their specification, and the tests compare the two bit for bit.
 
-How the kernels get the reference's bits on a GPU as in Triton's interpreter, where the two round
-differently unless told otherwise:
+Launch geometry (``tile_shape``). Every launch puts its programs on grid axis 0 (CUDA allows 2**31 - 1
+there, 65535 on the others; ``GRID_LIMITS``). A program holds ``TILE_VECTORS`` vectors of 8 values
+(``VECTOR_ELEMS``) and as many whole groups as fit (30 groups of 136 values, 4 of 1024): the groups lie
+one after the other in its lanes, so no lane idles for want of a power-of-two group size. A group's
+statistics are reduced once: each vector's in registers, then the vectors of each group, gathered
+into one row per group; what a group's values need of them is gathered back to its vectors. Groups
+longer than a program (more than 4096 values) take one program each and loop over it in steps.
 
-* Every product and quotient of the reference is computed in fp64 and rounded once to fp32 (a
-  product of two fp32 numbers is exact in fp64; a quotient rounded twice through 53 bits is the
-  correctly rounded fp32 quotient). So no division goes through fp32 ``/``, which compiles to an
-  approximate division on NVIDIA GPUs, or through libdevice, which Triton links with
-  flush-to-zero on (``enable_reflect_ftz``); and no fp32 subnormal enters fp32 arithmetic, where a
-  GPU could flush it. (fp32 to fp64 and back keep subnormals unless compiled to flush them; the
-  GPU check's subnormal inputs would show it.)
-* Magnitudes, maxima, signs and binary exponents are taken on the fp32 bit patterns as integers,
-  and bf16 gradients are widened to fp32 on their bits (Triton 3.9's interpreter converts bf16
-  subnormals wrongly).
-* Rounding to an integer is written out (floor, then half to even); nothing casts a float to an
-  int before it is integral.
+How the kernels get the reference's bits on a GPU as in Triton's interpreter, where the two round
+differently unless told otherwise, and stay inside what the hardware and LLVM define:
+
+* Every product and quotient of the reference is one IEEE operation rounded once to fp32: fp32
+  ``mul.rn`` and ``tl.math.div_rn`` (``div.rn.f32``), never fp32 ``/``, which compiles to an
+  approximate division; multiplications by a power of two too large for one fp32 factor take two,
+  of which only the last can round (``_times_power_of_two``). The one fp64 operation is stage 2's
+  product of the exact node sum by the average's factor (bf16 and fp32 gradients), which the
+  reference computes in fp64 and rounds twice.
+* Exact sums of values on fp16's grid are exact here too: stage 1 (8 bits) keeps two fp32
+  accumulators, one for each value rounded to 2**-16 and one for the rest, each exact for its range;
+  stage 2 adds integers in units of 2**-24, looked up per node in a table of the 16 values a group's
+  int4 codes dequantize to; stage 1 (4 bits) sums in fp16 as quantized_reduction does.
+* Magnitudes, maxima, signs and binary exponents are taken on the fp32 bit patterns as integers;
+  bf16 gradients are widened to fp32 on their bits (Triton 3.9's interpreter converts bf16
+  subnormals wrongly) and results rounded to bf16 on their bits (the interpreter truncates).
+* Rounding to an integer adds 1.5 * 2**23 (the sum's last bit is then the rounded value, half to
+  even) and reads the integer off the bits: no float-to-int conversion of a value that is not yet
+  integral, none out of range, none of a NaN. Codes are clamped to the kernels' range, or to 0 in a
+  group holding an inf or NaN.
 * Every launch passes ``enable_fp_fusion=False``: a GPU would otherwise contract ``x * s + c``
-  into one rounding.
-* fp32 to bf16 is rounded to nearest even on the bits (the interpreter truncates) and stored
-  through an int16 view; fp32 to fp16 rounds to nearest even on both.
-* Offsets into slots and gradients are int64.
+  into one rounding; no ``.ftz`` instruction is used (fp32 to fp16 and fp16 arithmetic keep
+  subnormals).
+* Offsets into slots and gradients are int64; narrowing conversions never overflow.
 
 Where the results are not bit for bit the glue's: a group holding an inf or NaN gets codes 0 with
 its NaN scale (the glue leaves whatever the kernels make of it there); its results are NaN either
-way, and NaN payloads are not part of the contract.
+way, and NaN payloads are not part of the contract. An inf scale, which no stage writes, is read as
+a NaN one.
 
 On CPU tensors the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1`` when this
 module is first imported), which is how the tests run them.
 """
 
 from functools import lru_cache
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from deepspeed.ops.quantizer.qgz_contract import VECTOR_ELEMS, next_pow2, swizzle_slot
 from deepspeed.runtime.comm.quantized_layout import QuantizedReduceLayout
+from deepspeed.runtime.comm.quantized_pipeline import summing_bits
 
 try:
     import triton
@@ -70,10 +85,39 @@ except ImportError:  # fused_unavailable_reason says so
 
 # Codes for the gradients' dtype inside the kernels.
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-# Values per program: ROWS groups x BLOCK values, at most MAX_BLOCK values of a group at a time.
-PROGRAM_VALUES = 2048
-MAX_BLOCK = 2048
 NUM_WARPS = 4
+# Vectors of VECTOR_ELEMS values a program holds at once (4096 values).
+TILE_VECTORS = 512
+# The most programs a launch may put on each grid axis (CUDA C++ Programming Guide, "Features and
+# Technical Specifications": maximum x-dimension of a grid of thread blocks 2**31 - 1, y- and
+# z-dimension 65535). The launchers use axis 0 only.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+# A program's rows: (v * row_magic) >> ROW_SHIFT is v // vectors for every vector v of a program.
+ROW_SHIFT = 20
+
+
+class TileShape(NamedTuple):
+    """How a launch covers a layout's groups (see the module docstring)."""
+    groups: int  # groups a program holds (1 when a group takes several steps)
+    rows: int  # ROWS: a power of two at least `groups`, the same for every group size of a class
+    vectors_pad: int  # VPG_PAD: the power of two at least the vectors of a group (the class), one step
+    one_step: bool  # whether a program holds its groups whole
+    row_magic: int  # see ROW_SHIFT
+
+
+@lru_cache(maxsize=None)
+def tile_shape(group_elems: int) -> TileShape:
+    """The tile of every launch for groups of `group_elems` values (a multiple of VECTOR_ELEMS).
+    The compiled variants depend only on the class, next_pow2(vectors per group): at most
+    TILE_VECTORS // (pad / 2 + 1) groups fit, fewer than 2 * TILE_VECTORS // pad rows."""
+    vectors = group_elems // VECTOR_ELEMS
+    if vectors > TILE_VECTORS:
+        return TileShape(1, 1, TILE_VECTORS, False, 0)
+    pad = next_pow2(vectors)
+    magic = -(-(1 << ROW_SHIFT) // vectors)
+    # exact for every vector of a program: TILE_VECTORS * (magic * vectors - 2**ROW_SHIFT) < 2**ROW_SHIFT
+    assert TILE_VECTORS * (magic * vectors - (1 << ROW_SHIFT)) < (1 << ROW_SHIFT)
+    return TileShape(TILE_VECTORS // vectors, max(1, 2 * TILE_VECTORS // pad), pad, True, magic)
 
 
 def fused_unavailable_reason(device_type: str) -> Optional[str]:
@@ -104,23 +148,34 @@ def require_fused(device: torch.device) -> None:
 
 
 def _launch(kernel, grid, args, meta, reads=()):
-    """One kernel launch. `reads`: the tensors the kernel reads through a table of addresses rather
-    than as arguments (the accounting counts them)."""
+    """One kernel launch over `grid` (programs per axis). `reads`: the tensors the kernel reads
+    through a table of addresses rather than as arguments (the accounting counts them).
+
+    Raises:
+        ValueError: the grid is beyond CUDA's limits (GRID_LIMITS).
+    """
+    if any(size > limit for size, limit in zip(grid, GRID_LIMITS)):
+        raise ValueError(f"{kernel.fn.__name__}: grid {tuple(grid)} is beyond CUDA's limits {GRID_LIMITS}")
     kernel[grid](*args, num_warps=NUM_WARPS, enable_fp_fusion=False, **meta)
-
-
-def _block(group_elems: int):
-    """(ROWS, BLOCK, ONE_STEP): groups per program, values of a group per step, whether a group
-    fits in one step."""
-    block = min(triton.next_power_of_2(group_elems), MAX_BLOCK)
-    return max(1, PROGRAM_VALUES // block), block, group_elems <= block
 
 
 if triton is not None:
 
     # ------------------------------------------------------------------------------------------
-    # the arithmetic the stages share
+    # the arithmetic the stages share (straight-line: the kernels hold every loop). A program's
+    # values are [8, VECS] tensors, one vector per column, so that each thread holds whole vectors
+    # and what a vector shares (its group's statistics, its addresses) is held once per vector.
     # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _wide(x):
+        """x as int64, whether an int32 tensor or a launch argument specialized to a constant."""
+        return x + tl.full([], 0, tl.int64)
+
+    @triton.jit
+    def _lanes():
+        """Each value's place in its vector, [8, 1]."""
+        return tl.arange(0, 8)[:, None]
 
     @triton.jit
     def _binary_exponent(magnitude):
@@ -133,365 +188,540 @@ if triton is not None:
 
     @triton.jit
     def _power_of_two(exponent):
-        """2**exponent as fp64, from its bits (int32 exponents in fp64's normal range)."""
-        return ((exponent.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+        """2**exponent as fp32, from its bits, for int32 exponents in [-149, 127] (subnormal below -126)."""
+        normal = ((tl.maximum(exponent, -126) + 127) << 23).to(tl.float32, bitcast=True)
+        tiny = (1 << tl.minimum(tl.maximum(exponent + 149, 0), 22)).to(tl.float32, bitcast=True)
+        return tl.where(exponent >= -126, normal, tiny)
 
     @triton.jit
-    def _fp32_product(a, b):
-        """a * b rounded once to fp32, computed in fp64."""
-        return (a.to(tl.float64) * b.to(tl.float64)).to(tl.float32)
+    def _times_power_of_two(x, exponent):
+        """x * 2**exponent rounded once to fp32, for normal x of magnitude in [2**-32, 2**14] and any
+        int32 exponent: x * 2**a is exact and normal for a in [-94, 112], and the second factor,
+        2**(exponent - a) limited to fp32's powers, rounds once (overflowing, or flushing to zero,
+        exactly where the exact product does)."""
+        first = tl.minimum(tl.maximum(exponent, -94), 112)
+        second = tl.minimum(tl.maximum(exponent - first, -149), 127)
+        return (x * _power_of_two(first)) * _power_of_two(second)
+
+    # x + ROUNDING for |x| < 2**22 is 1.5 * 2**23 plus x rounded to an integer (half to even): its
+    # bits are ROUNDING_BITS plus that integer, whose low bits (a code's two's complement) they hold.
+    ROUNDING = tl.constexpr(12582912.0)
+    ROUNDING_BITS = tl.constexpr(0x4B400000)
 
     @triton.jit
-    def _dequantized(codes, scale):
-        """What the dequantize kernel gives: codes * scale rounded to fp32, then to fp16 (as fp32)."""
-        return _fp32_product(codes, scale[:, None]).to(tl.float16).to(tl.float32)
-
-    @triton.jit
-    def _magnitudes(values, mask):
-        """Per row of fp32 `values` ([ROWS, BLOCK], masked lanes left out), on the bits: (the largest
-        magnitude of a positive value, of a negative value (int32 bits), whether one is inf or NaN)."""
+    def _vector_extrema(values):
+        """Per vector of fp32 `values` ([8, V]): the largest bit pattern as a signed and as an
+        unsigned integer (the largest magnitude of a positive, of a negative value; zeros neutral)."""
         bits = values.to(tl.int32, bitcast=True)
-        magnitude = bits & 0x7FFFFFFF
-        positive = tl.max(tl.where(mask & (bits > 0), magnitude, 0), axis=1)
-        negative = tl.max(tl.where(mask & (bits < 0), magnitude, 0), axis=1)
-        nonfinite = tl.max(tl.where(mask & (magnitude >= 0x7F800000), 1, 0), axis=1)
-        return positive, negative, nonfinite
+        return tl.max(bits, axis=0), tl.max(bits.to(tl.uint32, bitcast=True), axis=0)
 
     @triton.jit
-    def _clamp_free(positive, negative, rescale: tl.constexpr):
-        """_prepare_groups's (absmax bits, binary exponent, sign, fp64 factor the values are multiplied
-        by) from _magnitudes: with `rescale` the power of two bringing the absmax into [0.5, 1) (fp16
-        gradients are not rescaled); the sign negates a group whose largest magnitude is positive."""
+    def _signed_magnitudes(signed_max, unsigned_max):
+        """From _vector_extrema's maxima: (the largest magnitude of a positive value, of a negative
+        value), as int32 bits; 0 where there is none."""
+        negative = (unsigned_max & 0x7FFFFFFF).to(tl.int32, bitcast=True)
+        return tl.maximum(signed_max, 0), tl.where((unsigned_max >> 31) == 1, negative, 0)
+
+    @triton.jit
+    def _group_index(vectors, groups_here, ROWS: tl.constexpr, VPG_PAD: tl.constexpr):
+        """For _group_max: row r of a program's groups (ROWS rows, the first `groups_here` real),
+        column c: one of the group's `vectors` vectors (c, or c - vectors past them: VPG_PAD, the
+        next power of two, is below twice the vectors, and a maximum takes repeats). Rows past the
+        real ones repeat the last (never stored)."""
+        rows = tl.minimum(tl.arange(0, ROWS), groups_here - 1)[:, None]
+        columns = tl.arange(0, VPG_PAD)[None, :]
+        columns = tl.where(columns < vectors, columns, columns - vectors)
+        return tl.reshape(rows * vectors + columns, [ROWS * VPG_PAD])
+
+    @triton.jit
+    def _group_max(per_vector, index, ROWS: tl.constexpr, VPG_PAD: tl.constexpr):
+        """Per group of a program: the largest of its vectors' values in `per_vector` ([VECS])."""
+        return tl.max(tl.reshape(tl.gather(per_vector, index, 0), [ROWS, VPG_PAD]), axis=1)
+
+    @triton.jit
+    def _quantization(positive, negative, finite, RESCALE: tl.constexpr, BITS: tl.constexpr, fold_exponent):
+        """A group's clamp-free quantization from its magnitudes (_signed_magnitudes): with
+        `RESCALE` its values are multiplied by `factor`, the power of two bringing the largest
+        into [0.5, 1), and rounded to fp16 (fp16 values are taken as they are; a group holding an
+        inf or NaN is multiplied by 2**-126, so that no finite value of it overflows fp16); the
+        kernels' scale 2**(BITS - 1) / largest (1 for a group of zeros) is negated where the
+        largest magnitude is positive (its value then takes the smallest code exactly); `bound`
+        clamps its codes to [-bound, bound - 1] (0 for a group holding an inf or NaN). Returns
+        (signed scale, factor, bound, the scale the slot carries: the kernels' parameter 1 / scale
+        times the fold 2**(own + fold_exponent), signed, 0 for zeros, NaN if not finite)."""
+        positive = tl.where(finite, positive, 0)
+        negative = tl.where(finite, negative, 0)
         absmax = tl.maximum(positive, negative)
-        sign = tl.where(positive > negative, -1.0, 1.0)
-        if rescale:
+        negate = positive > negative
+        if RESCALE:
             own = _binary_exponent(absmax)
         else:
             own = tl.zeros_like(absmax)
-        return absmax, own, sign, _power_of_two(-own) * sign
+        factor = _power_of_two(-own)
+        largest = (absmax.to(tl.float32, bitcast=True) * factor).to(tl.float16).to(tl.float32)
+        factor = tl.where(finite, factor, 2.0**-126)
+        scale = tl.math.div_rn(tl.full(largest.shape, 2.0**(BITS - 1), tl.float32),
+                               tl.where(largest == 0.0, 2.0**(BITS - 1), largest))
+        param = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        fold = tl.where(absmax > 0, _times_power_of_two(param, own + fold_exponent), 0.0)
+        carried = tl.where(finite, tl.where(negate, -fold, fold), float("nan"))
+        bound = tl.where(finite, 2**(BITS - 1), 0)
+        return tl.where(negate, -scale, scale), factor, bound, carried
 
     @triton.jit
-    def _kernel_scale(absmax, BITS: tl.constexpr):
-        """The quantizer kernels' symmetric scale 2**bits / (2 * absmax), 1 for absmax 0."""
-        quotient = (2.0**BITS) / tl.where(absmax == 0.0, 2.0**BITS, 2.0 * absmax.to(tl.float64))
-        return quotient.to(tl.float32)
+    def _codes(values, factor, scale, bound, RESCALE: tl.constexpr):
+        """The kernels' codes of fp32 `values` (broadcast with the per-group `factor`, `scale` and
+        `bound`): with RESCALE the values times `factor`, rounded to fp16; times the scale, rounded
+        half to even, clamped to [-bound, bound - 1]. Returned in the low bits of int32s
+        (ROUNDING_BITS plus the code): an inf or NaN, only in a group whose bound is 0, is clamped
+        like any other bit pattern."""
+        if RESCALE:
+            values = (values * factor).to(tl.float16).to(tl.float32)
+        bits = (values * scale + ROUNDING).to(tl.int32, bitcast=True)
+        return tl.maximum(tl.minimum(bits, ROUNDING_BITS + bound - 1), ROUNDING_BITS - bound)
 
     @triton.jit
-    def _kernel_codes(values, scale, finite, BITS: tl.constexpr):
-        """The quantizer kernels' codes of fp16 `values` (as fp32) at `scale`, clamp(rint(values *
-        scale)), rounding half to even; 0 in a group holding an inf or NaN (not `finite`)."""
-        scaled = tl.where(finite[:, None], values, 0.0) * scale[:, None]
-        low = tl.floor(scaled)
-        fraction = scaled - low
-        odd = (low.to(tl.int32) & 1) == 1
-        rounded = tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), low + 1.0, low)
-        return tl.minimum(tl.maximum(rounded, -(2.0**(BITS - 1))), 2.0**(BITS - 1) - 1.0).to(tl.int32)
-
-    @triton.jit
-    def _kernel_param(scale):
-        """The parameter the kernels store: 1 / scale."""
-        return (1.0 / scale.to(tl.float64)).to(tl.float32)
-
-    @triton.jit
-    def _store_codes(out, start, codes, mask, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        """Stores a step of a group's codes ([ROWS, BLOCK], `mask` the lanes to store) from byte
-        `start` of each row; at 4 bits two per byte, the first in the high nibble."""
+    def _store_codes(out, start, codes, live, BITS: tl.constexpr, VECS: tl.constexpr):
+        """Stores each vector's codes ([8, VECS], each in the low bits of an int32) from byte `start`
+        ([VECS] int64, a multiple of BITS) of `out`: at 8 bits two words of four bytes, at 4 bits one
+        word of eight nibbles, the first code in the high nibble of the first byte."""
         if BITS == 8:
-            tl.store(out + start[:, None] + tl.arange(0, BLOCK)[None, :], codes.to(tl.int8), mask=mask)
+            fields = tl.reshape(codes & 0xFF, [2, 4, VECS]) << (8 * tl.arange(0, 4)[None, :, None])
+            words = (out + tl.multiple_of(start, 8)).to(tl.pointer_type(tl.int32))[None, :] + tl.arange(0, 2)[:, None]
+            tl.store(words, tl.sum(fields, axis=1), mask=live[None, :])
         else:
-            first, second = tl.split(tl.reshape(codes, [ROWS, BLOCK // 2, 2]))
-            pairs = tl.arange(0, BLOCK // 2)[None, :]
-            keep = tl.max(tl.reshape(mask.to(tl.int32), [ROWS, BLOCK // 2, 2]), axis=2) > 0
-            tl.store(out + start[:, None] + pairs, (((first & 15) << 4) | (second & 15)).to(tl.int8), mask=keep)
+            fields = (codes & 15) << (8 * (_lanes() // 2) + 4 - 4 * (_lanes() % 2))
+            words = (out + tl.multiple_of(start, 4)).to(tl.pointer_type(tl.int32))
+            tl.store(words, tl.sum(fields, axis=0), mask=live)
 
     @triton.jit
-    def _load_codes(data, start, mask, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        """A step of a group's codes ([ROWS, BLOCK] fp32) from byte `start` of each row."""
+    def _nibbles(data, start, live):
+        """Each vector's 8 int4 codes as their raw 4-bit patterns ([8, VECS] int32, the first code
+        the high nibble of the first byte), from the word at byte `start` ([VECS] int64, a multiple
+        of 4) of `data`; 0 where not live."""
+        word = tl.load((data + tl.multiple_of(start, 4)).to(tl.pointer_type(tl.int32)), mask=live, other=0)
+        return (word[None, :] >> (8 * (_lanes() // 2) + 4 - 4 * (_lanes() % 2))) & 15
+
+    @triton.jit
+    def _load_codes(data, start, live, BITS: tl.constexpr):
+        """Each vector's 8 codes as fp32 values ([8, VECS]), from byte `start` ([VECS] int64) of
+        `data`: the code plus an offset made positive, under 2**23's exponent, minus both."""
         if BITS == 8:
-            codes = tl.load(data + start[:, None] + tl.arange(0, BLOCK)[None, :], mask=mask, other=0).to(tl.int32)
+            words = (data + tl.multiple_of(start, 8)).to(tl.pointer_type(tl.int32))[None, :] + tl.arange(0, 2)[:, None]
+            words = tl.load(words, mask=live[None, :], other=0)  # [2, VECS]
+            biased = ((words[:, None, :] >> (8 * tl.arange(0, 4)[None, :, None])) & 0xFF) ^ 0x80
+            return (tl.reshape(biased, [8, biased.shape[2]]) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
         else:
-            pairs = tl.arange(0, BLOCK // 2)[None, :]
-            keep = tl.max(tl.reshape(mask.to(tl.int32), [ROWS, BLOCK // 2, 2]), axis=2) > 0
-            packed = tl.load(data + start[:, None] + pairs, mask=keep, other=0).to(tl.int32)
-            codes = tl.reshape(tl.join(packed >> 4, ((packed & 15) ^ 8) - 8), [ROWS, BLOCK])
-        return codes.to(tl.float32)
+            return ((_nibbles(data, start, live) ^ 8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
 
     @triton.jit
-    def _store_scales(out, start, rows, values, live):
-        """Stores fp32 `values` ([ROWS]) at byte `start` + 4 x row of `out`."""
-        tl.store((out + start + 4 * rows.to(tl.int64)).to(tl.pointer_type(tl.float32)), values, mask=live)
+    def _scale_magnitude(scale):
+        """The magnitude of fp32 scales as int32 bits, and whether they are finite."""
+        magnitude = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        return magnitude, magnitude < 0x7F800000
 
     @triton.jit
-    def _zero_tail(out, start, stop, BLOCK: tl.constexpr):
-        """Zeros bytes [start, stop) of `out`: a slot's scale groups past its scales."""
-        for offset in range(start, stop, BLOCK):
-            lanes = offset + tl.arange(0, BLOCK)
-            tl.store(out + lanes, tl.zeros([BLOCK], dtype=tl.int8), mask=lanes < stop)
+    def _zero_bytes(out, start, stop, BLOCK: tl.constexpr):
+        """Zeros bytes [start, stop) of `out`, at most BLOCK of them."""
+        lanes = start + tl.arange(0, BLOCK)
+        tl.store(out + lanes, tl.zeros([BLOCK], dtype=tl.int8), mask=lanes < stop)
+
+    @triton.jit
+    def _program_rows(v, row_magic, vectors, first, per_program, groups, ONE_STEP: tl.constexpr):
+        """Each vector's group in the program and place in its group, and whether it is live."""
+        if ONE_STEP:
+            row = (v * row_magic) >> 20
+            column = v - row * vectors
+        else:
+            row = v * 0
+            column = v
+        return row, column, (row < per_program) & (first + row < groups)
 
     # ------------------------------------------------------------------------------------------
     # stage 0
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _load_values(base, start, count, in_group, DTYPE: tl.constexpr):
-        """A step of a group's values (fp32, [ROWS, BLOCK]) from its gradient: elements start +
-        lane while the lane is below `count`, zeros after. bf16 is read as its bits and widened on
-        them (the interpreter's bf16 conversion gets subnormals wrong; the bits are exact anywhere)."""
-        lanes = tl.arange(0, in_group.shape[1])[None, :]
-        values = tl.load(base[:, None] + start[:, None] + lanes, mask=in_group & (lanes < count[:, None]), other=0)
-        if DTYPE == 1:
-            return (values.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        return values.to(tl.float32)
-
-    @triton.jit
-    def _quantize_partitions_kernel(pointers, tensor_table, group_tensor, slots, groups, group_elems, slot_bytes,
-                                    num_nodes, local_world_size, DTYPE: tl.constexpr, BITS: tl.constexpr,
-                                    ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_STEP: tl.constexpr):
-        """Program (partition, block of ROWS groups): those groups of the partition's intra slot."""
-        partition = tl.program_id(0)
-        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-        live = rows < groups
-        tensor = tl.load(group_tensor + rows, mask=live, other=0).to(tl.int64)
+    def _group_source(pointers, tensor_table, group_tensor, partition, group, live, group_elems,
+                      ELEM_BYTES: tl.constexpr):
+        """Where a group of a partition lies in its gradient: (the address of its first element,
+        int64; how many of its values exist there, the rest being padding)."""
+        tensor = _wide(tl.load(group_tensor + group, mask=live, other=0))
         numel = tl.load(tensor_table + 3 * tensor, mask=live, other=0)
         chunk = tl.load(tensor_table + 3 * tensor + 1, mask=live, other=0)
         first_group = tl.load(tensor_table + 3 * tensor + 2, mask=live, other=0)
-        address = tl.load(pointers + tensor, mask=live, other=0)
+        base = tl.load(pointers + tensor, mask=live, other=0)
+        within = (_wide(group) - first_group) * group_elems
+        start = _wide(partition) * chunk + within
+        count = tl.minimum(tl.minimum(chunk - within, numel - start), group_elems)
+        return base + start * ELEM_BYTES, tl.maximum(count, 0).to(tl.int32)
+
+    @triton.jit
+    def _load_values(address, count, live, DTYPE: tl.constexpr):
+        """Each vector's 8 values as fp32 ([8, VECS]) from byte `address` ([VECS] int64) of its
+        gradient, the first `count` ([VECS]) of them, zeros after. A gradient's partitions start
+        anywhere, so the loads are of single values (declared so: Triton would otherwise spread a
+        vector's values over threads); bf16 is read as its bits and widened on them."""
+        mask = live[None, :] & (_lanes() < count[None, :])
         if DTYPE == 0:
-            base = address.to(tl.pointer_type(tl.float16))
+            pointer = address.to(tl.pointer_type(tl.float16))[None, :] + _lanes()
+            pointer = tl.max_contiguous(tl.multiple_of(pointer, [1, 1]), [1, 1])
+            return tl.load(pointer, mask=mask, other=0.0).to(tl.float32)
         elif DTYPE == 1:
-            base = address.to(tl.pointer_type(tl.int16))  # bf16 bits: see _load_values
+            pointer = address.to(tl.pointer_type(tl.int16))[None, :] + _lanes()
+            pointer = tl.max_contiguous(tl.multiple_of(pointer, [1, 1]), [1, 1])
+            return (tl.load(pointer, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
-            base = address.to(tl.pointer_type(tl.float32))
-        # the group's values: elements [start, start + count) of its tensor's partition, then zeros
-        within = (rows.to(tl.int64) - first_group) * group_elems
-        start = partition.to(tl.int64) * chunk + within
-        count = tl.minimum(chunk - within, numel - start)
-        lanes = tl.arange(0, BLOCK)
+            pointer = address.to(tl.pointer_type(tl.float32))[None, :] + _lanes()
+            pointer = tl.max_contiguous(tl.multiple_of(pointer, [1, 1]), [1, 1])
+            return tl.load(pointer, mask=mask, other=0.0)
 
-        if ONE_STEP:
-            in_group = live[:, None] & (lanes[None, :] < group_elems)
-            values = _load_values(base, start, count, in_group, DTYPE)
-            positive, negative, nonfinite = _magnitudes(values, in_group)
-        else:
-            positive = tl.zeros([ROWS], dtype=tl.int32)
-            negative = tl.zeros([ROWS], dtype=tl.int32)
-            nonfinite = tl.zeros([ROWS], dtype=tl.int32)
-            for step in range(0, group_elems, BLOCK):
-                in_group = live[:, None] & (step + lanes[None, :] < group_elems)
-                values = _load_values(base, start + step, count - step, in_group, DTYPE)
-                step_positive, step_negative, step_nonfinite = _magnitudes(values, in_group)
-                positive = tl.maximum(positive, step_positive)
-                negative = tl.maximum(negative, step_negative)
-                nonfinite = tl.maximum(nonfinite, step_nonfinite)
-        finite = nonfinite == 0
-        absmax, own, sign, factor = _clamp_free(tl.where(finite, positive, 0), tl.where(finite, negative, 0), DTYPE
-                                                != 0)
-        # the kernel's scale from the largest fp16 value it would read (rounding is monotonic)
-        largest = _fp32_product(absmax.to(tl.float32, bitcast=True), tl.abs(factor)).to(tl.float16)
-        scale = _kernel_scale(largest.to(tl.float32), BITS)
-
-        node = partition // local_world_size
-        slot = (partition % local_world_size) * num_nodes + node
-        slot_start = slot.to(tl.int64) * slot_bytes
+    @triton.jit(do_not_specialize=[
+        "groups", "group_elems", "slot_bytes", "tiles", "tiles_magic", "tiles_shift", "per_program", "row_magic"
+    ])
+    def _quantize_partitions_kernel(pointers, tensor_table, group_tensor, slot_of, slots, groups, group_elems,
+                                    slot_bytes, tiles, tiles_magic, tiles_shift, per_program, row_magic,
+                                    DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, BITS: tl.constexpr,
+                                    ROWS: tl.constexpr, VPG_PAD: tl.constexpr, VECS: tl.constexpr,
+                                    ONE_STEP: tl.constexpr):
+        """Program (partition, tile of `per_program` groups): those groups of the partition's
+        intra slot, and the slot's scales; the partition's last tile zeros the slot's tail."""
+        pid = tl.program_id(0)
+        partition = ((_wide(pid) * tiles_magic) >> tiles_shift).to(tl.int32)  # pid // tiles
+        tile = pid - partition * tiles
+        first = tile * per_program
+        slot_start = _wide(tl.load(slot_of + partition)) * slot_bytes
         group_bytes = group_elems * BITS // 8
-        code_start = slot_start + rows.to(tl.int64) * group_bytes
+        scales = slot_start + _wide(groups) * group_bytes
+        vectors = group_elems // 8
+        rows = tl.arange(0, ROWS)
+        live_rows = (rows < per_program) & (first + rows < groups)
+        address, count = _group_source(pointers, tensor_table, group_tensor, partition, first + rows, live_rows,
+                                       group_elems, ELEM_BYTES)
+        v = tl.arange(0, VECS)
+        row, column, live = _program_rows(v, row_magic, vectors, first, per_program, groups, ONE_STEP)
+        vector_address = tl.gather(address, row, 0)
+        vector_count = tl.gather(count, row, 0)
         if ONE_STEP:
-            fp16 = _fp32_product(values, factor[:, None]).to(tl.float16).to(tl.float32)
-            _store_codes(slots, code_start, _kernel_codes(fp16, scale, finite, BITS), in_group, BITS, ROWS, BLOCK)
+            values = _load_values(vector_address + _wide(column) * 8 * ELEM_BYTES, vector_count - column * 8, live,
+                                  DTYPE)
+            signed_max, unsigned_max = _vector_extrema(values)
+            index = _group_index(vectors, per_program, ROWS, VPG_PAD)
+            positive, negative = _signed_magnitudes(_group_max(signed_max, index, ROWS, VPG_PAD),
+                                                    _group_max(unsigned_max, index, ROWS, VPG_PAD))
         else:
-            for step in range(0, group_elems, BLOCK):
-                in_group = live[:, None] & (step + lanes[None, :] < group_elems)
-                values = _load_values(base, start + step, count - step, in_group, DTYPE)
-                fp16 = _fp32_product(values, factor[:, None]).to(tl.float16).to(tl.float32)
-                _store_codes(slots, code_start + step * BITS // 8, _kernel_codes(fp16, scale, finite, BITS), in_group,
-                             BITS, ROWS, BLOCK)
-        fold = tl.where(absmax > 0, _power_of_two(own), 0.0) * sign
-        _store_scales(slots, slot_start + groups * group_bytes, rows,
-                      tl.where(finite, _fp32_product(_kernel_param(scale), fold), float("nan")), live)
-        if tl.program_id(1) == 0:
-            _zero_tail(slots + slot_start, groups * (group_bytes + 4), slot_bytes, 1024)
+            signed_max = tl.zeros([VECS], dtype=tl.int32)
+            unsigned_max = tl.zeros([VECS], dtype=tl.uint32)
+            for step in tl.range(0, vectors, VECS, loop_unroll_factor=1):  # trips: -(-group_elems // (8 * VECS))
+                vector = step + column
+                values = _load_values(vector_address + _wide(vector) * 8 * ELEM_BYTES, vector_count - vector * 8,
+                                      live & (vector < vectors), DTYPE)
+                step_signed, step_unsigned = _vector_extrema(values)
+                signed_max = tl.maximum(signed_max, step_signed)
+                unsigned_max = tl.maximum(unsigned_max, step_unsigned)
+            positive, negative = _signed_magnitudes(tl.max(signed_max, 0, keep_dims=True),
+                                                    tl.max(unsigned_max, 0, keep_dims=True))
+        finite = tl.maximum(positive, negative) < 0x7F800000
+        scale, factor, bound, carried = _quantization(positive, negative, finite, DTYPE != 0, BITS, 0)
+        tl.store((slots + scales + 4 * _wide(first + rows)).to(tl.pointer_type(tl.float32)), carried, mask=live_rows)
+        vector_factor = tl.gather(factor, row, 0)[None, :]
+        vector_scale = tl.gather(scale, row, 0)[None, :]
+        vector_bound = tl.gather(bound, row, 0)[None, :]
+        code_start = slot_start + _wide(first + row) * group_bytes
+        if ONE_STEP:
+            codes = _codes(values, vector_factor, vector_scale, vector_bound, DTYPE != 0)
+            _store_codes(slots, code_start + column * BITS, codes, live, BITS, VECS)
+        else:
+            for step in tl.range(0, vectors, VECS, loop_unroll_factor=1):  # trips: -(-group_elems // (8 * VECS))
+                vector = step + column
+                inside = live & (vector < vectors)
+                values = _load_values(vector_address + _wide(vector) * 8 * ELEM_BYTES, vector_count - vector * 8,
+                                      inside, DTYPE)
+                codes = _codes(values, vector_factor, vector_scale, vector_bound, DTYPE != 0)
+                _store_codes(slots, code_start + vector * BITS, codes, inside, BITS, VECS)
+        if tile == tiles - 1:
+            tail = scales + 4 * _wide(groups)
+            # trips: (slot_bytes - groups * (group_elems * BITS // 8 + 4)) / 4096 / tiles
+            for start in tl.range(tail, slot_start + slot_bytes, 4096, loop_unroll_factor=1):
+                _zero_bytes(slots, start, slot_start + slot_bytes, 4096)
 
     # ------------------------------------------------------------------------------------------
     # stage 1
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _scale_magnitudes(received, scale_start, stride, count, live, ROWS: tl.constexpr):
-        """Of `count` copies of ROWS groups' fp32 scales, `stride` bytes apart: the largest finite
-        magnitude (its bits, int32) and whether all of them are finite."""
-        largest = tl.zeros([ROWS], dtype=tl.int32)
-        nonfinite = tl.zeros([ROWS], dtype=tl.int32)
-        for copy in range(count):
-            scale = tl.load((received + scale_start + copy * stride).to(tl.pointer_type(tl.float32)),
-                            mask=live,
-                            other=0.0)
-            magnitude = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            largest = tl.maximum(largest, tl.where(magnitude < 0x7F800000, magnitude, 0))
-            nonfinite = tl.maximum(nonfinite, tl.where(magnitude >= 0x7F800000, 1, 0))
-        return largest, nonfinite == 0
-
-    @triton.jit
-    def _node_sums(received, code_start, scale_start, copy_stride, exponent, finite, live, in_group, copies,
-                   IN_BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        """A step of the node's sums of a group's copies ([ROWS, BLOCK]): at 8 bits the exact sums in
-        fp64 of the dequantized fp16 values; at 4 bits quantized_reduction's fp16 sums in copy order
-        from +0 (as fp32), the copies of a group holding an inf or NaN read as zeros."""
+    def _node_values(codes, normalized, acc_hi, acc_lo, IN_BITS: tl.constexpr):
+        """Adds one copy's values fp16(codes * normalized) to the node's sums: at 8 bits exactly,
+        into two fp32 accumulators (each value below 64 split at 2**-16: the parts' sums over any
+        number of copies below 2**17 stay on 24 bits); at 4 bits as quantized_reduction does, an
+        fp16 sum in copy order (acc_hi; acc_lo unused)."""
+        values = (codes * normalized).to(tl.float16)
         if IN_BITS == 8:
-            sums = tl.zeros([ROWS, BLOCK], dtype=tl.float64)
+            values = values.to(tl.float32)
+            high = (values + 192.0) - 192.0
+            return acc_hi + high, acc_lo + (values - high)
         else:
-            sums = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        down = _power_of_two(-exponent)
-        for copy in range(copies):
-            offset = copy * copy_stride
-            scale = tl.load((received + scale_start + offset).to(tl.pointer_type(tl.float32)), mask=live, other=0.0)
-            normalized = _fp32_product(scale, down)
-            if IN_BITS == 4:
-                normalized = tl.where(finite, normalized, 0.0)
-            values = _dequantized(_load_codes(received + offset, code_start, in_group, IN_BITS, ROWS, BLOCK),
-                                  normalized)
-            if IN_BITS == 8:
-                sums += values.to(tl.float64)
-            else:
-                sums = (sums + values).to(tl.float16).to(tl.float32)
-        return sums
+            return acc_hi + values, acc_lo
 
     @triton.jit
+    def _requantization(positive, negative, finite, fold_exponent, IN_BITS: tl.constexpr):
+        """The node sums' int4 quantization from their magnitudes: at 8 bits the glue's clamp-free
+        one (_quantization); at 4 bits quantized_reduction's formula (scale 8 / largest, no
+        negation, the fold 2**fold_exponent, 0 for a group of zeros). Returns (signed scale,
+        factor, bound, carried scale)."""
+        if IN_BITS == 8:
+            return _quantization(positive, negative, finite, True, 4, fold_exponent)
+        else:
+            absmax = tl.where(finite, tl.maximum(positive, negative), 0).to(tl.float32, bitcast=True)
+            scale = tl.math.div_rn(tl.full(absmax.shape, 8.0, tl.float32), tl.where(absmax == 0.0, 8.0, absmax))
+            param = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+            fold = tl.where(param < 1.0, _times_power_of_two(param, fold_exponent), 0.0)
+            carried = tl.where(finite, fold, float("nan"))
+            return scale, tl.full(scale.shape, 1.0, tl.float32), tl.where(finite, 8, 0), carried
+
+    @triton.jit
+    def _node_accumulators(IN_BITS: tl.constexpr, VECS: tl.constexpr):
+        """The accumulators of _node_values, zero."""
+        if IN_BITS == 8:
+            acc_hi = tl.zeros([8, VECS], dtype=tl.float32)
+        else:
+            acc_hi = tl.zeros([8, VECS], dtype=tl.float16)
+        return acc_hi, tl.zeros([8, VECS], dtype=tl.float32)
+
+    @triton.jit
+    def _add_copy(received, offset, vector_scales, vector_down, vector_finite, code_start, live, acc_hi, acc_lo,
+                  IN_BITS: tl.constexpr):
+        """_node_values of the copy `offset` bytes into `received` (its scales and codes)."""
+        scale = tl.load((vector_scales + offset).to(tl.pointer_type(tl.float32)), mask=live, other=0.0)
+        normalized = tl.where(vector_finite, scale * vector_down, 0.0)
+        return _node_values(_load_codes(received + offset, code_start, live, IN_BITS), normalized[None, :], acc_hi,
+                            acc_lo, IN_BITS)
+
+    @triton.jit(do_not_specialize=[
+        "groups", "group_elems", "in_slot_bytes", "out_slot_bytes", "copy_stride", "copies", "summing", "shift",
+        "tiles", "tiles_magic", "tiles_shift", "per_program", "row_magic"
+    ])
     def _reduce_within_node_kernel(received, out, groups, group_elems, in_slot_bytes, out_slot_bytes, copy_stride,
-                                   copies, summing_bits, shift, IN_BITS: tl.constexpr, ROWS: tl.constexpr,
-                                   BLOCK: tl.constexpr, ONE_STEP: tl.constexpr):
-        """Program (node, block of ROWS groups): the node's sums of those groups of this rank's
-        partition, as int4 in the node's inter slot."""
-        node = tl.program_id(0)
-        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-        live = rows < groups
+                                   copies, summing, shift, tiles, tiles_magic, tiles_shift, per_program, row_magic,
+                                   IN_BITS: tl.constexpr, ROWS: tl.constexpr, VPG_PAD: tl.constexpr,
+                                   VECS: tl.constexpr, ONE_STEP: tl.constexpr):
+        """Program (node, tile of `per_program` groups): the node's sums of those groups of this
+        rank's partition, as int4 in the node's inter slot; the node's last tile zeros its tail."""
+        pid = tl.program_id(0)
+        node = ((_wide(pid) * tiles_magic) >> tiles_shift).to(tl.int32)  # pid // tiles
+        tile = pid - node * tiles
+        first = tile * per_program
+        in_start = _wide(node) * in_slot_bytes
         in_group_bytes = group_elems * IN_BITS // 8
-        slot_start = node.to(tl.int64) * in_slot_bytes
-        code_start = slot_start + rows.to(tl.int64) * in_group_bytes
-        scale_start = slot_start + groups * in_group_bytes + 4 * rows.to(tl.int64)
-
-        # the summing exponent: every copy's scale below 2**-summing_bits after it
-        largest, finite = _scale_magnitudes(received, scale_start, copy_stride, copies, live, ROWS)
-        exponent = tl.where(finite, _binary_exponent(largest), 0) + summing_bits
-
-        lanes = tl.arange(0, BLOCK)
-        if ONE_STEP:
-            in_group = live[:, None] & (lanes[None, :] < group_elems)
-            sums = _node_sums(received, code_start, scale_start, copy_stride, exponent, finite, live, in_group, copies,
-                              IN_BITS, ROWS, BLOCK)
-            positive, negative, _ = _magnitudes(sums.to(tl.float32), in_group)
-        else:
-            positive = tl.zeros([ROWS], dtype=tl.int32)
-            negative = tl.zeros([ROWS], dtype=tl.int32)
-            for step in range(0, group_elems, BLOCK):
-                in_group = live[:, None] & (step + lanes[None, :] < group_elems)
-                sums = _node_sums(received, code_start + step * IN_BITS // 8, scale_start, copy_stride, exponent,
-                                  finite, live, in_group, copies, IN_BITS, ROWS, BLOCK)
-                step_positive, step_negative, _ = _magnitudes(sums.to(tl.float32), in_group)
-                positive, negative = tl.maximum(positive, step_positive), tl.maximum(negative, step_negative)
-        positive, negative = tl.where(finite, positive, 0), tl.where(finite, negative, 0)
-        if IN_BITS == 8:
-            # the glue's clamp-free int4 quantization of the fp32 node sums
-            absmax, own, sign, factor = _clamp_free(positive, negative, True)
-            largest_value = _fp32_product(absmax.to(tl.float32, bitcast=True), tl.abs(factor)).to(tl.float16)
-            scale = _kernel_scale(largest_value.to(tl.float32), 4)
-        else:
-            # quantized_reduction's requantization of its fp16 sums
-            factor = tl.zeros([ROWS], dtype=tl.float64)
-            scale = _kernel_scale(tl.maximum(positive, negative).to(tl.float32, bitcast=True), 4)
-
+        in_scales = in_start + _wide(groups) * in_group_bytes
+        out_start = _wide(node) * out_slot_bytes
         out_group_bytes = group_elems // 2
-        out_start = node.to(tl.int64) * out_slot_bytes
-        out_codes = out_start + rows.to(tl.int64) * out_group_bytes
+        out_scales = out_start + _wide(groups) * out_group_bytes
+        vectors = group_elems // 8
+        rows = tl.arange(0, ROWS)
+        live_rows = (rows < per_program) & (first + rows < groups)
+        row_scales = received + in_scales + 4 * _wide(first + rows)
+        # the summing exponent: every copy's scale below 2**-summing after it
+        largest = rows * 0
+        finite = live_rows | ~live_rows
+        for copy in tl.range(0, copies, loop_unroll_factor=1):  # trips: copies
+            magnitude, ok = _scale_magnitude(
+                tl.load((row_scales + _wide(copy) * copy_stride).to(tl.pointer_type(tl.float32)),
+                        mask=live_rows,
+                        other=0.0))
+            largest = tl.maximum(largest, tl.where(ok, magnitude, 0))
+            finite = finite & ok
+        exponent = tl.where(finite, _binary_exponent(largest), 0) + summing
+        v = tl.arange(0, VECS)
+        row, column, live = _program_rows(v, row_magic, vectors, first, per_program, groups, ONE_STEP)
+        vector_down = tl.gather(_power_of_two(-exponent), row, 0)
+        vector_finite = tl.gather(finite.to(tl.int32), row, 0) != 0
+        vector_scales = received + in_scales + 4 * _wide(first + row)
+        code_start = in_start + _wide(first + row) * in_group_bytes
         if ONE_STEP:
-            if IN_BITS == 8:
-                sums = _fp32_product(sums, factor[:, None]).to(tl.float16).to(tl.float32)
-            _store_codes(out, out_codes, _kernel_codes(sums, scale, finite, 4), in_group, 4, ROWS, BLOCK)
+            acc_hi, acc_lo = _node_accumulators(IN_BITS, VECS)
+            for copy in tl.range(0, copies, loop_unroll_factor=1):  # trips: copies
+                acc_hi, acc_lo = _add_copy(received,
+                                           _wide(copy) * copy_stride, vector_scales, vector_down, vector_finite,
+                                           code_start + column * IN_BITS, live, acc_hi, acc_lo, IN_BITS)
+            sums = acc_hi.to(tl.float32) + acc_lo  # at 8 bits the exact sums rounded once
+            signed_max, unsigned_max = _vector_extrema(sums)
+            index = _group_index(vectors, per_program, ROWS, VPG_PAD)
+            positive, negative = _signed_magnitudes(_group_max(signed_max, index, ROWS, VPG_PAD),
+                                                    _group_max(unsigned_max, index, ROWS, VPG_PAD))
         else:
-            for step in range(0, group_elems, BLOCK):
-                in_group = live[:, None] & (step + lanes[None, :] < group_elems)
-                sums = _node_sums(received, code_start + step * IN_BITS // 8, scale_start, copy_stride, exponent,
-                                  finite, live, in_group, copies, IN_BITS, ROWS, BLOCK)
-                if IN_BITS == 8:
-                    sums = _fp32_product(sums, factor[:, None]).to(tl.float16).to(tl.float32)
-                _store_codes(out, out_codes + step // 2, _kernel_codes(sums, scale, finite, 4), in_group, 4, ROWS,
-                             BLOCK)
-        param = _kernel_param(scale)
-        if IN_BITS == 8:
-            fold = tl.where(absmax > 0, _power_of_two(own + exponent - shift), 0.0) * sign
+            signed_max = tl.zeros([VECS], dtype=tl.int32)
+            unsigned_max = tl.zeros([VECS], dtype=tl.uint32)
+            for step in tl.range(0, vectors, VECS, loop_unroll_factor=1):  # trips: -(-group_elems // (8 * VECS))
+                vector = step + column
+                inside = live & (vector < vectors)
+                acc_hi, acc_lo = _node_accumulators(IN_BITS, VECS)
+                for copy in tl.range(0, copies, loop_unroll_factor=1):  # trips: copies
+                    acc_hi, acc_lo = _add_copy(received,
+                                               _wide(copy) * copy_stride, vector_scales, vector_down, vector_finite,
+                                               code_start + vector * IN_BITS, inside, acc_hi, acc_lo, IN_BITS)
+                step_signed, step_unsigned = _vector_extrema(acc_hi.to(tl.float32) + acc_lo)
+                signed_max = tl.maximum(signed_max, step_signed)
+                unsigned_max = tl.maximum(unsigned_max, step_unsigned)
+            positive, negative = _signed_magnitudes(tl.max(signed_max, 0, keep_dims=True),
+                                                    tl.max(unsigned_max, 0, keep_dims=True))
+        scale, factor, bound, carried = _requantization(positive, negative, finite, exponent - shift, IN_BITS)
+        tl.store((out + out_scales + 4 * _wide(first + rows)).to(tl.pointer_type(tl.float32)), carried, mask=live_rows)
+        vector_factor = tl.gather(factor, row, 0)[None, :]
+        vector_scale = tl.gather(scale, row, 0)[None, :]
+        vector_bound = tl.gather(bound, row, 0)[None, :]
+        out_codes = out_start + _wide(first + row) * out_group_bytes
+        if ONE_STEP:
+            codes = _codes(sums, vector_factor, vector_scale, vector_bound, IN_BITS == 8)
+            _store_codes(out, out_codes + column * 4, codes, live, 4, VECS)
         else:
-            fold = tl.where(param < 1.0, _power_of_two(exponent - shift), 0.0)
-        _store_scales(out, out_start + groups * out_group_bytes, rows,
-                      tl.where(finite, _fp32_product(param, fold), float("nan")), live)
-        if tl.program_id(1) == 0:
-            _zero_tail(out + out_start, groups * (out_group_bytes + 4), out_slot_bytes, 1024)
+            for step in tl.range(0, vectors, VECS, loop_unroll_factor=1):  # trips: -(-group_elems // (8 * VECS))
+                vector = step + column
+                inside = live & (vector < vectors)
+                acc_hi, acc_lo = _node_accumulators(IN_BITS, VECS)
+                for copy in tl.range(0, copies, loop_unroll_factor=1):  # trips: copies
+                    acc_hi, acc_lo = _add_copy(received,
+                                               _wide(copy) * copy_stride, vector_scales, vector_down, vector_finite,
+                                               code_start + vector * IN_BITS, inside, acc_hi, acc_lo, IN_BITS)
+                codes = _codes(acc_hi.to(tl.float32) + acc_lo, vector_factor, vector_scale, vector_bound, IN_BITS == 8)
+                _store_codes(out, out_codes + vector * 4, codes, inside, 4, VECS)
+        if tile == tiles - 1:
+            tail = out_scales + 4 * _wide(groups)
+            # trips: (out_slot_bytes - groups * (group_elems // 2 + 4)) / 4096 / tiles
+            for start in tl.range(tail, out_start + out_slot_bytes, 4096, loop_unroll_factor=1):
+                _zero_bytes(out, start, out_start + out_slot_bytes, 4096)
 
     # ------------------------------------------------------------------------------------------
     # stage 2
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _within(x, largest):
-        """x limited to [-largest, largest] before a narrowing conversion, so that none overflows
-        (infinities included); NaN kept (where, not min/max, which ignore NaN on a GPU)."""
-        return tl.where(x > largest, largest, tl.where(x < -largest, -largest, x))
-
-    @triton.jit
-    def _result(sums, factor, DTYPE: tl.constexpr):
-        """The result in the gradients' dtype from the fp64 sums, saturated at its largest value
-        (what saturating the default path's converted result gives: values past the largest, which
-        round to infinity, and infinities become it; NaN kept): fp16 values, bf16 bits (int32,
-        rounded to nearest even), fp32 values."""
+    def _dequantized_table(normalized, DTYPE: tl.constexpr, WIDE: tl.constexpr):
+        """Per group (rows of `normalized`, its fp32 parameters): what each raw int4 pattern (0..15,
+        two's complement) dequantizes to, fp16(code * parameter), in units of 2**-24 (exact), int64
+        if WIDE; fp16 values past the dtype's largest (one node of fp16 gradients) limited to it,
+        which the result's saturation would make of them."""
+        patterns = tl.arange(0, 16)
+        codes = ((patterns ^ 8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        products = codes[None, :] * normalized[:, None]
         if DTYPE == 0:
-            return _within(sums.to(tl.float32), 65504.0).to(tl.float16).to(tl.float32)
-        value = _within(sums * factor[:, None], 3.4028234663852886e38).to(tl.float32)
-        if DTYPE == 2:
-            return value
-        bits = value.to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-        # FLT_MAX and the values just below it round up to bf16's infinity: its largest value instead
-        rounded = tl.where(rounded == 0x7F80, 0x7F7F, tl.where(rounded == 0xFF80, 0xFF7F, rounded))
-        return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
-
-    @triton.jit
-    def _average_across_nodes_kernel(received, out, groups, group_elems, slot_bytes, num_nodes, world, shift,
-                                     DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (block of ROWS groups): those groups of this rank's padded partition of the average."""
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        live = rows < groups
-        group_bytes = group_elems // 2
-        code_start = rows.to(tl.int64) * group_bytes
-        scale_start = groups * group_bytes + 4 * rows.to(tl.int64)
-        if DTYPE == 0:
-            factor = tl.zeros([ROWS], dtype=tl.float64)  # the scales become shares of the average
-            down = tl.zeros([ROWS], dtype=tl.float64)
+            products = tl.minimum(tl.maximum(products, -65504.0), 65504.0)
+        units = products.to(tl.float16).to(tl.float32) * 16777216.0
+        if WIDE:
+            return units.to(tl.int64)
         else:
-            # the nodes' scales brought near 1 by a power of two; the factor it leaves, over the world
-            largest, _ = _scale_magnitudes(received, scale_start, slot_bytes, num_nodes, live, ROWS)
+            return units.to(tl.int32)
+
+    @triton.jit
+    def _average(sums, factor, restore, limit, finite, DTYPE: tl.constexpr):
+        """The result in the gradients' dtype from the exact sums (integers in units of 2**-24):
+        fp16 the sums rounded to fp32, then to fp16; bf16 and fp32 the sums times `factor` in fp64
+        (the reference's rounding), then to fp32, within +-`limit` and times `restore` (a power of
+        two: `limit` times it is fp32's largest value), then (bf16) to nearest even on the bits.
+        Saturated at the dtype's largest value; NaN where a node's scale is not `finite`. Returns
+        the bits, as int32 whatever the dtype (one type on every branch)."""
+        if DTYPE == 0:
+            value = sums.to(tl.float32) * 5.9604644775390625e-08
+            value = tl.where(finite, tl.minimum(tl.maximum(value, -limit), limit), float("nan"))
+            bits = value.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        else:
+            value = (sums.to(tl.float64) * factor).to(tl.float32)
+            bits = (tl.minimum(tl.maximum(value, -limit), limit) * restore).to(tl.int32, bitcast=True)
+            if DTYPE == 2:
+                bits = tl.where(finite, bits, 0x7FC00000)
+            else:
+                rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+                # the values just below fp32's largest round up to bf16's infinity: its largest value
+                rounded = tl.where((rounded & 0x7FFF) == 0x7F80, rounded - 1, rounded)
+                bits = tl.where(finite, rounded, 0x7FC0)
+        return bits
+
+    @triton.jit
+    def _store_result(out, start, bits, live, DTYPE: tl.constexpr, VECS: tl.constexpr):
+        """Stores each vector's 8 results (bits, [8, VECS] int32) from element `start` ([VECS] int64,
+        a multiple of 8) of `out` (the result viewed as int32 words): two 2-byte values to a word."""
+        if DTYPE == 2:
+            tl.store(out + tl.multiple_of(start, 8)[None, :] + _lanes(), bits, mask=live[None, :])
+        else:
+            pairs = tl.reshape(bits & 0xFFFF, [4, 2, VECS]) << (16 * tl.arange(0, 2)[None, :, None])
+            words = out + tl.multiple_of(start // 2, 4)[None, :] + tl.arange(0, 4)[:, None]
+            tl.store(words, tl.sum(pairs, axis=1), mask=live[None, :])
+
+    @triton.jit(do_not_specialize=[
+        "groups", "group_elems", "slot_bytes", "num_nodes", "world", "shift", "per_program", "row_magic"
+    ])
+    def _average_across_nodes_kernel(received, out, groups, group_elems, slot_bytes, num_nodes, world, shift,
+                                     per_program, row_magic, DTYPE: tl.constexpr, WIDE: tl.constexpr,
+                                     ROWS: tl.constexpr, VPG_PAD: tl.constexpr, VECS: tl.constexpr,
+                                     ONE_STEP: tl.constexpr):
+        """Program (tile of `per_program` groups): those groups of this rank's padded partition of
+        the average."""
+        first = tl.program_id(0) * per_program
+        group_bytes = group_elems // 2
+        scales = _wide(groups) * group_bytes
+        vectors = group_elems // 8
+        world_size = _wide(world).to(tl.float32)
+        rows = tl.arange(0, ROWS)
+        live_rows = (rows < per_program) & (first + rows < groups)
+        row_scales = received + scales + 4 * _wide(first + rows)
+        # the nodes' scales: the largest finite magnitude, and whether all are finite
+        largest = rows * 0
+        finite = live_rows | ~live_rows
+        for node in tl.range(0, num_nodes, loop_unroll_factor=1):  # trips: num_nodes
+            magnitude, ok = _scale_magnitude(
+                tl.load((row_scales + _wide(node) * slot_bytes).to(tl.pointer_type(tl.float32)),
+                        mask=live_rows,
+                        other=0.0))
+            largest = tl.maximum(largest, tl.where(ok, magnitude, 0))
+            finite = finite & ok
+        if DTYPE != 0:
+            # the scales brought near 1 by a power of two; the factor it leaves, over the world, in
+            # units of 2**-24 (fp16: each scale over the world instead). Where the average could
+            # pass fp32's range the fp64 product is taken 2**-64 smaller, rounded to fp32 and
+            # multiplied back, so that no narrowing conversion overflows (the values stay normal).
             exponent = _binary_exponent(largest)
             down = _power_of_two(-exponent)
-            factor = (_power_of_two(exponent) / world).to(tl.float32).to(
-                tl.float64) * _power_of_two(shift + tl.zeros_like(exponent))
-        lanes = tl.arange(0, BLOCK)
-        for step in range(0, group_elems, BLOCK):
-            in_group = live[:, None] & (step + lanes[None, :] < group_elems)
-            sums = tl.zeros([ROWS, BLOCK], dtype=tl.float64)
-            for node in range(num_nodes):
-                offset = node * slot_bytes
-                scale = tl.load((received + scale_start + offset).to(tl.pointer_type(tl.float32)),
-                                mask=live,
-                                other=0.0)
-                if DTYPE == 0:
-                    share = (scale.to(tl.float64) / world).to(tl.float32)
-                    param = _fp32_product(share, _power_of_two(shift + tl.zeros_like(rows)))
-                else:
-                    param = _fp32_product(scale, down)
-                codes = _load_codes(received + offset, code_start + step // 2, in_group, 4, ROWS, BLOCK)
-                sums += _dequantized(codes, param).to(tl.float64)
-            address = out + rows.to(tl.int64)[:, None] * group_elems + step + lanes[None, :]
-            if DTYPE == 1:
-                tl.store(address, _result(sums, factor, DTYPE).to(tl.int16), mask=in_group)
+            beyond = tl.where(exponent > 64, 64, 0)
+            factor = tl.math.div_rn(_power_of_two(exponent),
+                                    tl.zeros_like(down) + world_size).to(tl.float64) * (
+                                        (_wide(shift - beyond) + (1023 - 24)) << 52).to(tl.float64, bitcast=True)
+            restore = _power_of_two(beyond)
+            limit = tl.where(beyond > 0, 3.4028234663852886e38 / 18446744073709551616.0, 3.4028234663852886e38)
+        v = tl.arange(0, VECS)
+        row, column, live = _program_rows(v, row_magic, vectors, first, per_program, groups, ONE_STEP)
+        vector_finite = tl.gather(finite.to(tl.int32), row, 0)[None, :] != 0
+        if DTYPE != 0:
+            vector_factor = tl.gather(factor, row, 0)[None, :]
+            vector_restore = tl.gather(restore, row, 0)[None, :]
+            vector_limit = tl.gather(limit, row, 0)[None, :]
+        if ONE_STEP:
+            steps = 1
+        else:
+            steps = -(-vectors // VECS)
+        # trips: 1 if ONE_STEP else -(-group_elems // (8 * VECS))
+        for step in tl.range(0, steps, loop_unroll_factor=1):
+            vector = step * VECS + column
+            inside = live & (vector < vectors)
+            code_start = _wide(first + row) * group_bytes + vector * 4
+            if WIDE:
+                sums = tl.zeros([8, VECS], dtype=tl.int64)
             else:
-                tl.store(address, _result(sums, factor, DTYPE), mask=in_group)
+                sums = tl.zeros([8, VECS], dtype=tl.int32)
+            for node in tl.range(0, num_nodes, loop_unroll_factor=1):  # trips: num_nodes
+                offset = _wide(node) * slot_bytes
+                scale = tl.load((row_scales + offset).to(tl.pointer_type(tl.float32)), mask=live_rows, other=0.0)
+                if DTYPE == 0:
+                    normalized = tl.math.div_rn(scale, tl.zeros_like(scale) + world_size) * _power_of_two(shift)
+                else:
+                    normalized = scale * down
+                table = tl.reshape(_dequantized_table(tl.where(finite, normalized, 0.0), DTYPE, WIDE), [ROWS * 16])
+                index = row[None, :] * 16 + _nibbles(received + offset, code_start, inside)
+                sums += tl.reshape(tl.gather(table, tl.reshape(index, [8 * VECS]), 0), [8, VECS])
+            if DTYPE == 0:
+                bits = _average(sums, 0.0, 1.0, 65504.0, vector_finite, DTYPE)
+            else:
+                bits = _average(sums, vector_factor, vector_restore, vector_limit, vector_finite, DTYPE)
+            _store_result(out, _wide(first + row) * group_elems + vector * 8, bits, inside, DTYPE, VECS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,14 +729,29 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=64)
 def _tensor_tables(layout: QuantizedReduceLayout, device: str):
     """(per tensor [numel, partition, first group] int64, per group of a padded partition its
-    tensor int32), on `device`; cached per layout."""
+    tensor int32, per partition its intra slot int32 (qgz_contract.swizzle_slot)), on `device`;
+    cached per layout."""
     table = [[t.numel, t.partition, t.offset // layout.group_elems] for t in layout.tensors]
-    owners = [i for i, t in enumerate(layout.tensors) for _ in range(t.num_groups)]
+    owners = torch.repeat_interleave(torch.arange(len(layout.tensors), dtype=torch.int32),
+                                     torch.tensor([t.num_groups for t in layout.tensors]))
+    slots = [swizzle_slot(p, layout.num_nodes, layout.local_world_size) for p in range(layout.world_size)]
     return (torch.tensor(table, dtype=torch.int64,
-                         device=device), torch.tensor(owners, dtype=torch.int32, device=device))
+                         device=device), owners.to(device), torch.tensor(slots, dtype=torch.int32, device=device))
+
+
+def division_magic(divisor: int):
+    """(magic, shift) with (n * magic) >> shift == n // divisor for every n < 2**31 (Granlund and
+    Montgomery's round-up method, 31-bit dividends: magic = ceil(2**(31 + s) / divisor), s the bits
+    of divisor - 1, below 2**32)."""
+    bits = (divisor - 1).bit_length()
+    return -(-(1 << (31 + bits)) // divisor), 31 + bits
+
+
+def _tile_meta(shape: TileShape) -> dict:
+    return dict(ROWS=shape.rows, VPG_PAD=shape.vectors_pad, VECS=TILE_VECTORS, ONE_STEP=shape.one_step)
 
 
 def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout) -> Tensor:
@@ -515,17 +760,18 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout) ->
     fmt, world = layout.intra, layout.world_size
     device, dtype = tensors[0].device, tensors[0].dtype
     tensors = [t.contiguous() for t in tensors]
-    table, owners = _tensor_tables(layout, str(device))
+    table, owners, slot_of = _tensor_tables(layout, str(device))
     # the gradients' addresses: one asynchronous host-to-device copy from pinned memory per call, no
     # host synchronization (a copy on CPU too, so the accounting counts the same op)
     addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
     pointers = addresses.to(device, non_blocking=True, copy=True)
     slots = torch.empty(world, fmt.slot_bytes, dtype=torch.int8, device=device)
-    rows, block, one_step = _block(layout.group_elems)
-    _launch(_quantize_partitions_kernel, (world, triton.cdiv(fmt.groups_per_partition, rows)),
-            (pointers, table, owners, slots, fmt.groups_per_partition, layout.group_elems, fmt.slot_bytes,
-             layout.num_nodes, layout.local_world_size),
-            dict(DTYPE=DTYPE_CODES[dtype], BITS=fmt.bits, ROWS=rows, BLOCK=block, ONE_STEP=one_step),
+    shape = tile_shape(layout.group_elems)
+    tiles = -(-fmt.groups_per_partition // shape.groups)
+    _launch(_quantize_partitions_kernel, (world * tiles, ),
+            (pointers, table, owners, slot_of, slots, fmt.groups_per_partition, layout.group_elems, fmt.slot_bytes,
+             tiles, *division_magic(tiles), shape.groups, shape.row_magic),
+            dict(DTYPE=DTYPE_CODES[dtype], ELEM_BYTES=tensors[0].element_size(), BITS=fmt.bits, **_tile_meta(shape)),
             reads=tensors)
     return slots
 
@@ -534,22 +780,30 @@ def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout) -> Tenso
     """Stage 1 in one launch: quantized_pipeline.reduce_within_node's slots."""
     intra, inter = layout.intra, layout.inter
     out = torch.empty(layout.num_nodes, inter.slot_bytes, dtype=torch.int8, device=received.device)
-    rows, block, one_step = _block(layout.group_elems)
-    _launch(_reduce_within_node_kernel, (layout.num_nodes, triton.cdiv(intra.groups_per_partition, rows)),
+    shape = tile_shape(layout.group_elems)
+    tiles = -(-intra.groups_per_partition // shape.groups)
+    _launch(_reduce_within_node_kernel, (layout.num_nodes * tiles, ),
             (received, out, intra.groups_per_partition, layout.group_elems, intra.slot_bytes, inter.slot_bytes,
-             layout.num_nodes * intra.slot_bytes, layout.local_world_size,
-             (2 * layout.local_world_size - 1).bit_length(), layout.inter_scale_shift),
-            dict(IN_BITS=intra.bits, ROWS=rows, BLOCK=block, ONE_STEP=one_step))
+             layout.num_nodes * intra.slot_bytes, layout.local_world_size, summing_bits(layout.local_world_size),
+             layout.inter_scale_shift, tiles, *division_magic(tiles), shape.groups, shape.row_magic),
+            dict(IN_BITS=intra.bits, **_tile_meta(shape)))
     return out
+
+
+# Stage 2 adds each value's nodes in int32 units of 2**-24 where they cannot overflow: a bf16 or fp32
+# value dequantizes below 8 (code -8, a parameter below 1), so fewer than 16 nodes; fp16 values reach
+# 65504 and take int64.
+NARROW_SUM_NODES = 15
 
 
 def average_across_nodes(received: Tensor, layout: QuantizedReduceLayout, dtype: torch.dtype) -> Tensor:
     """Stage 2 in one launch: quantized_pipeline.average_across_nodes's padded partition."""
     fmt = layout.inter
     average = torch.empty(layout.padded_partition, dtype=dtype, device=received.device)
-    rows, block, _ = _block(layout.group_elems)
-    _launch(_average_across_nodes_kernel, (triton.cdiv(fmt.groups_per_partition, rows), ),
-            (received, average.view(torch.int16) if dtype == torch.bfloat16 else average, fmt.groups_per_partition,
-             layout.group_elems, fmt.slot_bytes, layout.num_nodes, layout.world_size, layout.inter_scale_shift),
-            dict(DTYPE=DTYPE_CODES[dtype], ROWS=rows, BLOCK=block))
+    shape = tile_shape(layout.group_elems)
+    wide = dtype == torch.float16 or layout.num_nodes > NARROW_SUM_NODES
+    _launch(_average_across_nodes_kernel, (-(-fmt.groups_per_partition // shape.groups), ),
+            (received, average.view(torch.int32), fmt.groups_per_partition, layout.group_elems, fmt.slot_bytes,
+             layout.num_nodes, layout.world_size, layout.inter_scale_shift, shape.groups, shape.row_magic),
+            dict(DTYPE=DTYPE_CODES[dtype], WIDE=wide, **_tile_meta(shape)))
     return average

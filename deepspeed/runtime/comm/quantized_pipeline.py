@@ -114,12 +114,16 @@ def saturate(values: Tensor) -> Tensor:
     return values.clamp_(-largest, largest)
 
 
+def summing_bits(copies: int) -> int:
+    """h, the smallest with 2**h >= 2 * copies (see _summing_exponent)."""
+    return (2 * copies - 1).bit_length()
+
+
 def _summing_exponent(magnitudes: Tensor) -> Tensor:
     """For the scale magnitudes of `magnitudes.shape[0]` copies of each group: the exponent e that
-    brings each scaled copy below 2**-h, 2**h >= 2 * copies, so any sum over the copies of values
+    brings each scaled copy below 2**-h (summing_bits), so any sum over the copies of values
     |code| * scale * 2**-e stays below half the largest code."""
-    copies = magnitudes.shape[0]
-    return binary_exponent(magnitudes.amax(dim=0)) + (2 * copies - 1).bit_length()
+    return binary_exponent(magnitudes.amax(dim=0)) + summing_bits(magnitudes.shape[0])
 
 
 def _prepare_groups(groups: Tensor, out: Tensor, clamp_free: bool = False):

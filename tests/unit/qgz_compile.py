@@ -1,0 +1,348 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Triton's compiler on the fused qgZ kernels (deepspeed/runtime/comm/quantized_fused.py), without a
+GPU: the launches the launchers make, recorded on meta tensors; each specialized as Triton's runtime
+specializes it and compiled for an NVIDIA target; its PTX, cubin, resource usage and SASS.
+
+Triton's interpreter never runs its compiler, so this must run in a process without
+TRITON_INTERPRET (test_quantized_fused_compile.py starts one):
+
+    python -m unit.qgz_compile --out report.json [--quick]     # from the tests directory
+
+The report names every distinct variant compiled, for which targets, and every problem: a compile
+error, a grid beyond CUDA's limits, local memory (a register spill), or in the PTX an approximate
+division or transcendental, an FMA or a flush-to-zero instruction.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+# The GPUs the kernels are for: sm_80 (A100), sm_89 (L40S, RTX 40xx), sm_90 (H100, H200).
+ARCHES = (80, 89, 90)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# What no kernel's PTX may hold (the module docstring of quantized_fused.py says why).
+PTX_FORBIDDEN = {
+    "an approximate division or transcendental":
+    re.compile(r"\b(div\.(approx|full)|(rcp|sqrt|rsqrt|ex2|lg2|sin|cos|"
+               r"tanh)\.approx)"),
+    "an FMA":
+    re.compile(r"\bfma\."),
+    "a flush-to-zero instruction":
+    re.compile(r"\.ftz\b"),
+}
+
+
+@dataclass
+class Launch:
+    """One launch a launcher made: its kernel (a JITFunction), grid, arguments and meta-parameters."""
+    kernel: object
+    grid: Tuple[int, ...]
+    args: tuple
+    meta: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+    def __reduce__(self):
+        # to a worker process: the kernel by name, tensors as meta tensors of their dtype and shape
+        args = tuple(("tensor", str(a.dtype), tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in self.args)
+        return _rebuild_launch, (self.name, self.grid, args, self.meta)
+
+
+def _rebuild_launch(name, grid, args, meta):
+    args = tuple(
+        torch.empty(a[2], dtype=getattr(torch, a[1].split(".")[-1]), device="meta"
+                    ) if isinstance(a, tuple) and a[:1] == ("tensor", ) else a for a in args)
+    return Launch(getattr(fused_module(), name), grid, args, meta)
+
+
+def fused_module():
+    from deepspeed.runtime.comm import quantized_fused
+    if quantized_fused.triton is None:
+        raise RuntimeError("Triton is not installed")
+    if quantized_fused.fused_unavailable_reason("cpu") is None:
+        raise RuntimeError("TRITON_INTERPRET=1 is set: Triton's compiler needs a process without it")
+    return quantized_fused
+
+
+def record_launches(layout, dtype: torch.dtype) -> List[Launch]:
+    """The three launches one call makes for `layout` with gradients of `dtype`: the launchers run
+    on meta tensors with quantized_fused._launch recording instead of launching."""
+    fused = fused_module()
+    launches = []
+
+    def record(kernel, grid, args, meta, reads=()):
+        limits = fused.GRID_LIMITS
+        if any(size > limit for size, limit in zip(grid, limits)):
+            raise ValueError(f"{kernel.fn.__name__}: grid {tuple(grid)} is beyond CUDA's limits {limits}")
+        launches.append(Launch(kernel, tuple(grid), tuple(args), dict(meta)))
+
+    saved, fused._launch = fused._launch, record
+    try:
+        tensors = [torch.empty(t.numel, dtype=dtype, device="meta") for t in layout.tensors]
+        fused.quantize_partitions(tensors, layout)
+        world, nodes = layout.world_size, layout.num_nodes
+        fused.reduce_within_node(torch.empty(world, layout.intra.slot_bytes, dtype=torch.int8, device="meta"), layout)
+        fused.average_across_nodes(torch.empty(nodes, layout.inter.slot_bytes, dtype=torch.int8, device="meta"),
+                                   layout, dtype)
+    finally:
+        fused._launch = saved
+    return launches
+
+
+def _options(launch: Launch) -> dict:
+    fused = fused_module()
+    return dict(launch.meta, num_warps=fused.NUM_WARPS, enable_fp_fusion=False)
+
+
+def specialization(launch: Launch, arch: int):
+    """(signature, constexprs, attrs, options) of `launch` for sm_`arch`, as Triton's runtime
+    computes them when it launches the kernel (create_function_from_signature, _pack_args)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
+    kwargs = _options(launch)
+    bound, specialized, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = launch.kernel._pack_args(backend, kwargs, bound, specialized, options)
+    return signature, constexprs, attrs, options
+
+
+def bound_arguments(launch: Launch) -> Dict[str, object]:
+    """The kernel's parameters by name: ints and constexprs as values, tensors as themselves."""
+    names = [p.name for p in launch.kernel.params]
+    values = dict(zip(names, launch.args))
+    values.update(launch.meta)
+    return values
+
+
+def variant_key(launch: Launch, arch: int) -> str:
+    """What Triton compiles one binary for: the kernel, its signature, constants and attributes."""
+    signature, constexprs, attrs, options = specialization(launch, arch)
+    return repr((launch.name, arch, sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items()),
+                 sorted((k, str(v)) for k, v in options.__dict__.items())))
+
+
+def compile_launch(launch: Launch, arch: int):
+    """Triton's compiler on `launch` for sm_`arch` (no GPU needed): the CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature, constexprs, attrs, options = specialization(launch, arch)
+    source = ASTSource(launch.kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options.__dict__)
+
+
+def tool(name: str) -> str:
+    """A CUDA binary tool shipped in Triton's wheel (cuobjdump, nvdisasm)."""
+    import triton
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{name} is not in Triton's wheel ({path})")
+    return path
+
+
+def _with_cubin(cubin: bytes, command) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run(command + [f.name], check=True, capture_output=True, text=True).stdout
+
+
+def resource_usage(cubin: bytes) -> Dict[str, int]:
+    """cuobjdump --dump-resource-usage of the kernel: REG, STACK, SHARED, LOCAL (spills), ..."""
+    out = _with_cubin(cubin, [tool("cuobjdump"), "--dump-resource-usage"])
+    line = next(line for line in out.splitlines() if "REG:" in line)
+    return {key: int(value) for key, value in re.findall(r"(\w+(?:\[\d+\])?):(\d+)", line)}
+
+
+@dataclass
+class Instruction:
+    """One SASS instruction: its address, opcode (with modifiers), operands, the source lines it came
+    from (innermost first: a line of an inlined function, then the lines that called it) and
+    the predicate that guards it."""
+    address: int
+    opcode: str
+    operands: str
+    lines: Tuple[int, ...]
+    predicate: str  # the guarding predicate register ("P3" for @P3 or @!P3), "" if none
+
+
+@dataclass
+class Disassembly:
+    instructions: List[Instruction]
+    labels: Dict[str, int]  # label -> address of the instruction it marks
+    subroutines_from: int  # the first address of the subroutines after the kernel (a division's slow path)
+
+
+_LINE = re.compile(r'//## File ".*?", line (\d+)((?: inlined at ".*?", line \d+)*)')
+_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*(.*?)\s*;")
+
+
+def disassemble(cubin: bytes) -> Disassembly:
+    """nvdisasm's SASS of the kernel, with the source lines of each instruction (Triton compiles with
+    line information)."""
+    out = _with_cubin(cubin, [tool("nvdisasm"), "-c", "-gi"])
+    instructions, labels, pending, lines = [], {}, [], ()
+    subroutines_from = None
+    for text in out.splitlines():
+        match = _LINE.search(text)
+        if match:
+            lines = (int(match.group(1)), ) + tuple(int(n) for n in re.findall(r"line (\d+)", match.group(2)))
+            continue
+        label = re.match(r"^(\.L_x_\d+|\$[\w$]+):", text.strip())
+        if label:
+            pending.append(label.group(1))
+            if label.group(1).startswith("$__internal") and subroutines_from is None:
+                subroutines_from = -1  # the next instruction's address
+            continue
+        match = _INSTRUCTION.match(text)
+        if not match:
+            continue
+        address = int(match.group(1), 16)
+        if subroutines_from == -1:
+            subroutines_from = address
+        for name in pending:
+            labels[name] = address
+        pending = []
+        predicate = (match.group(2) or "").strip().lstrip("@").lstrip("!")
+        instructions.append(Instruction(address, match.group(3), match.group(4), lines, predicate))
+    end = instructions[-1].address + 16 if instructions else 0
+    return Disassembly(instructions, labels, subroutines_from if subroutines_from not in (None, -1) else end)
+
+
+def ptx_problems(ptx: str) -> List[str]:
+    return [
+        f"the PTX holds {what} ({m.group(0)!r})" for what, pattern in PTX_FORBIDDEN.items()
+        for m in [pattern.search(ptx)] if m
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# the launches CI compiles
+# --------------------------------------------------------------------------------------------------
+
+TOPOLOGIES = ((1, 2), (2, 1), (3, 2), (5, 2), (7, 1), (2, 8), (3, 8), (2, 16), (16, 2))
+GROUP_SIZES = (136, 264, 520, 1024, 2056, 4096, 4104, 40960)
+DEFAULT_BUCKET = 500_000_000  # ZeRO-3's reduce_bucket_size
+
+
+def largest_single_tensor(num_nodes: int, local_world_size: int, group_size: int, bits: int) -> int:
+    """The most elements one tensor may have for the plan at this topology (the kernels' int32 bound)."""
+    from deepspeed.runtime.comm.quantized_pipeline import quantized_reduce_plan
+    low, high = 1, 1 << 40
+    while low < high:
+        middle = (low + high + 1) // 2
+        try:
+            quantized_reduce_plan((middle, ), num_nodes, local_world_size, group_size, bits)
+            low = middle
+        except ValueError:
+            high = middle - 1
+    return low
+
+
+def ci_launches(quick: bool = False):
+    """(what, Launch) for every launch of the matrix CI compiles: each topology, dtype, intra-node
+    precision and group size, on a small bucket, DeepSpeed's default bucket size and the largest
+    tensor the plan allows."""
+    from deepspeed.runtime.comm.quantized_pipeline import quantized_reduce_plan
+    topologies = TOPOLOGIES[:3] if quick else TOPOLOGIES
+    sizes = GROUP_SIZES[:2] if quick else GROUP_SIZES
+    for num_nodes, local in topologies:
+        for group_size in sizes:
+            for bits in (4, 8):
+                largest = largest_single_tensor(num_nodes, local, group_size, bits)
+                buckets = {
+                    "small": (33 * 17, 64 * 48, 5),
+                    "default bucket": (DEFAULT_BUCKET // 4, ) * 4,
+                    "largest tensor": (largest, )
+                }
+                for bucket, numels in buckets.items():
+                    plan = quantized_reduce_plan(numels, num_nodes, local, group_size, bits)
+                    for name, dtype in DTYPES.items():
+                        for _, layout in plan:
+                            what = (f"{num_nodes}x{local}, {name}, {bits}/4, groups of {layout.group_elems} "
+                                    f"(at most {group_size}), {bucket}")
+                            for launch in record_launches(layout, dtype):
+                                yield what, launch
+
+
+def _compile_variant(item):
+    """Worker: compile one variant for one target; (key, problems, resources, seconds)."""
+    key, launch, arch = item
+    start = time.perf_counter()
+    try:
+        compiled = compile_launch(launch, arch)
+    except Exception as exc:  # noqa: BLE001 - a compile error is what this reports
+        return key, [f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[-1][:300]}"], {}, 0.0
+    problems = ptx_problems(compiled.asm["ptx"])
+    resources = resource_usage(compiled.asm["cubin"])
+    if resources.get("LOCAL", 0):
+        problems.append(f"spills {resources['LOCAL']} bytes to local memory")
+    return key, problems, resources, time.perf_counter() - start
+
+
+def check(quick: bool = False, workers: int = 2) -> dict:
+    """Records the CI matrix's launches, compiles each distinct variant for every target in ARCHES
+    and returns the report."""
+    variants, seen_by, largest_grid = {}, {}, 0
+    problems = []
+    for what, launch in ci_launches(quick):
+        largest_grid = max(largest_grid, launch.grid[0])
+        for arch in ARCHES:
+            key = variant_key(launch, arch)
+            if key not in variants:
+                variants[key] = (launch, arch)
+                seen_by[key] = what
+    print(
+        f"compiling {len(variants)} variants ({len(variants) // len(ARCHES)} per target) for "
+        f"{', '.join(f'sm_{a}' for a in ARCHES)}",
+        file=sys.stderr,
+        flush=True)
+    report = {"variants": len(variants), "largest_grid": largest_grid, "compiled": [], "problems": problems}
+    items = [(key, launch, arch) for key, (launch, arch) in variants.items()]
+    start, done = time.perf_counter(), 0
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for key, found, resources, seconds in pool.map(_compile_variant, items):
+            done += 1
+            launch, arch = variants[key]
+            name = f"{launch.name} sm_{arch} {sorted((k, v) for k, v in launch.meta.items())}"
+            report["compiled"].append({"variant": name, "registers": resources.get("REG"), "seconds": seconds})
+            problems.extend(f"{name} (first seen at {seen_by[key]}): {p}" for p in found)
+            if done % 20 == 0 or done == len(items):
+                print(f"  {done}/{len(items)} compiled, {time.perf_counter() - start:.0f} s",
+                      file=sys.stderr,
+                      flush=True)
+    return report
+
+
+def main(argv: Sequence[str] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="three topologies and two group sizes")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", required=True, help="where the JSON report goes")
+    args = parser.parse_args(argv)
+    report = check(args.quick, args.workers)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{report['variants']} variants compiled, {len(report['problems'])} problems", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
