@@ -35,6 +35,7 @@ of 128 threads per SM), shared-memory bank conflicts, cache effects, the load-st
 measured speed; scripts/gpu_check.sh measures each kernel's GB/s beside it.
 
     python benchmarks/qgz_roofline.py [--out DIR] [--quick]
+    python benchmarks/qgz_roofline.py --case GPU NODESxGPUS DTYPE BITS --case-out FILE   # one case's 3 stages (JSON)
 
 Needs Triton and torch (CPU is enough); runs Triton's compiler, so TRITON_INTERPRET must be unset.
 """
@@ -360,6 +361,16 @@ def launch_bytes(launch) -> float:
     return sum(a.numel() * a.element_size() for a in launch.args if isinstance(a, torch.Tensor))
 
 
+def gpu_for(name: str, capability) -> str:
+    """The modeled GPU for a device name and compute capability: by name, else by architecture
+    (the first modeled GPU of that compute capability)."""
+    for gpu in GPUS:
+        if gpu in name.replace(" ", ""):
+            return gpu
+    arch = capability[0] * 10 + capability[1]
+    return next((gpu for gpu, spec in GPUS.items() if spec["arch"] == arch), "H100")
+
+
 def analyse(stage: int, dtype_name: str, bits: int, group_size: int, topology, gpu: str):
     """One row: the launch's instruction mix per gradient value and the ceilings on `gpu`."""
     from unit import qgz_compile
@@ -470,7 +481,8 @@ def lowest_lines(results):
     lines = []
     for gpu in GPUS:
         worst = min((r for r in results if r["gpu"] == gpu), key=lambda r: r["ceiling_percent"])
-        lines.append(f"lowest ceiling on {gpu}: {worst['ceiling_percent']:.0f}% ({worst['stage']}, {worst['dtype']}, "
+        dtype = worst["dtype"] if worst["stage"] != STAGES[1] else "any dtype"
+        lines.append(f"lowest ceiling on {gpu}: {worst['ceiling_percent']:.0f}% ({worst['stage']}, {dtype}, "
                      f"{worst['bits']}/4, groups of {worst['group_elems']}, {worst['topology']}, bound by "
                      f"{worst['bound_by']}); target {TARGETS[gpu]}%")
     return lines
@@ -480,10 +492,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="directory for qgz_roofline.md and qgz_roofline.json")
     parser.add_argument("--quick", action="store_true", help="bf16, 2x8 only")
+    parser.add_argument("--case",
+                        nargs=4,
+                        metavar=("GPU", "TOPOLOGY", "DTYPE", "BITS"),
+                        help="only this case's three stages, groups of 136 (e.g. H200 3x2 bf16 8)")
+    parser.add_argument("--case-out", help="with --case: the JSON file the rows go to")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: the roofline runs Triton's compiler", file=sys.stderr)
         return 2
+    if args.case:
+        gpu, topology, dtype, bits = args.case
+        topology = tuple(int(n) for n in topology.split("x"))
+        rows_ = [analyse(stage, dtype, int(bits), 136, topology, gpu) for stage in range(3)]
+        Path(args.case_out).write_text(json.dumps(rows_))
+        return 0
     results = rows(args.quick)
     text = table(results) + "\n\n" + "\n".join(lowest_lines(results))
     print(text)

@@ -11,8 +11,9 @@ and write per gradient element, counted at each modeled topology on one LLaMA-2-
 gradients in bf16: for qgZ, the pipeline's three stages (quantized_pipeline.py) with the exchanges
 left out (the fused stages' launches counted from their arguments and the gradients they read, not
 run: Triton's interpreter is far too slow for a layer); for the reduce-scatter, reduce_scatter_coalesced
-with the collective left out. One call
-per ZeRO-3 reduce bucket. Network: the bytes each rank sends inside its node and to other nodes,
+with the collective left out. One call per ZeRO-3 reduce bucket. Bytes move at HBM bandwidth, except
+a fused stage's: at the lower of HBM bandwidth and the ceiling its instructions set, from the static
+roofline of its SASS for an H100 (benchmarks/qgz_roofline.py, groups of 136, the same topology). Network: the bytes each rank sends inside its node and to other nodes,
 from the qgZ layout of each bucket (quantized_layout.py) and, for the reduce-scatter, NCCL's ring
 (each rank moves (W - 1) / W of the bucket; D rings, each crossing the network through its own
 NIC, so the ring runs at min(NVLink, D x NIC) per GPU). The qgZ stages and their two all-to-alls
@@ -28,6 +29,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "scripts"))  # qgz_harness
+sys.path.insert(0, str(HERE))  # qgz_roofline
 
 # Assumptions (stated in the output).
 LAUNCH_S = 5e-6  # per dispatched op or kernel
@@ -59,9 +62,10 @@ def llama2_7b():
 
 
 def count_work(method, num_nodes, local_world_size):
-    """{"ops", "kernel_calls", "bytes" per gradient element} of one rank's call on a LLaMA-2-7B
-    layer's gradients, the collectives left out (the network part is modeled apart)."""
-    import sys
+    """{"ops", "kernel_calls", "bytes_per_elem", "launch_bytes_per_elem" (per fused stage)} of one
+    rank's call on a LLaMA-2-7B layer's gradients, the collectives left out (the network part is
+    modeled apart); a fused call in the steady state (its tables cached, as ZeRO-3 repeats its
+    buckets)."""
     from unittest import mock
     import torch
     from deepspeed.accelerator import get_accelerator
@@ -70,7 +74,6 @@ def count_work(method, num_nodes, local_world_size):
     from deepspeed.runtime.comm.quantized_layout import DEFAULT_GROUP_SIZE
     from deepspeed.runtime.comm.quantized_pipeline import (pipeline_stages, quantized_reduce_plan,
                                                            quantized_reduce_scatter)
-    sys.path.insert(0, str(HERE.parent / "scripts"))
     from qgz_harness import WorkCounter
 
     world = num_nodes * local_world_size
@@ -88,13 +91,45 @@ def count_work(method, num_nodes, local_world_size):
             ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load()))
         plan = quantized_reduce_plan(tuple(t.numel() for t in tensors), num_nodes, local_world_size,
                                      DEFAULT_GROUP_SIZE, INTRA_NODE_BITS[method])
-        with work:
+
+        def call():
             for start, layout in plan:
                 # the exchanges left out: what a rank receives has the shape of what it sends
                 quantized_reduce_scatter(tensors[start:start + len(layout.tensors)], layout,
                                          pipeline_stages(quantizer, fused), lambda x: x, lambda x: x, 0)
+
+        if fused:  # a call in the steady state: the fused stages' tables are cached per layout
+            with WorkCounter(run_launches=False):
+                call()
+        with work:
+            call()
     elems = sum(t.numel() for t in tensors)
-    return {"ops": work.ops, "kernel_calls": work.kernel_calls, "bytes_per_elem": work.bytes / elems}
+    stages = {name: total / elems for name, (_, total) in work.op_names.items() if name.endswith("_kernel")}
+    return {
+        "ops": work.ops,
+        "kernel_calls": work.kernel_calls,
+        "bytes_per_elem": work.bytes / elems,
+        "launch_bytes_per_elem": stages
+    }
+
+
+# the fused kernels, by the name of their roofline stage
+FUSED_STAGES = {"_quantize_partitions_kernel": 0, "_reduce_within_node_kernel": 1, "_average_across_nodes_kernel": 2}
+ROOFLINE_GPU = "H100"
+
+
+def fused_ceilings(method, num_nodes, local_world_size):
+    """Each fused stage's roofline ceiling (a share of HBM bandwidth) at this topology."""
+    import os
+    os.environ.pop("TRITON_INTERPRET", None)
+    import qgz_roofline
+    from deepspeed.runtime.comm.quantized_layout import DEFAULT_GROUP_SIZE
+    return {
+        name:
+        qgz_roofline.analyse(stage, DTYPE, INTRA_NODE_BITS[method], DEFAULT_GROUP_SIZE,
+                             (num_nodes, local_world_size), ROOFLINE_GPU)["ceiling_percent"] / 100
+        for name, stage in FUSED_STAGES.items()
+    }
 
 
 def buckets(shapes):
@@ -130,6 +165,14 @@ def network_bytes(method, bucket, num_nodes, local_world_size):
     return intra, inter
 
 
+def memory_seconds_per_elem(row):
+    """Seconds per gradient element the call's bytes take: at HBM bandwidth, a fused stage's at its
+    roofline ceiling where that is lower."""
+    ceilings = row.get("ceilings", {})
+    slowed = sum(b * (1 / ceilings[name] - 1) for name, b in row["launch_bytes_per_elem"].items() if name in ceilings)
+    return (row["bytes_per_elem"] + slowed) / HBM_BPS
+
+
 def model(counts, nic_bps, num_nodes, local_world_size):
     rows = {}
     for label, method in METHODS.items():
@@ -138,7 +181,7 @@ def model(counts, nic_bps, num_nodes, local_world_size):
         intra_total = inter_total = 0.0
         for bucket in buckets(llama2_7b()):
             elems = sum(math.prod(s) for s in bucket)
-            compute += (row["ops"] + row["kernel_calls"]) * LAUNCH_S + row["bytes_per_elem"] * elems / HBM_BPS
+            compute += (row["ops"] + row["kernel_calls"]) * LAUNCH_S + memory_seconds_per_elem(row) * elems
             intra, inter = network_bytes(method, bucket, num_nodes, local_world_size)
             intra_total, inter_total = intra_total + intra, inter_total + inter
             if method == "rs":
@@ -153,7 +196,8 @@ def model(counts, nic_bps, num_nodes, local_world_size):
             "inter_gb": inter_total / 1e9,
             "ops": row["ops"],
             "kernel_calls": row["kernel_calls"],
-            "bytes_per_elem": row["bytes_per_elem"]
+            "bytes_per_elem": row["bytes_per_elem"],
+            "fused_ceilings": row.get("ceilings", {})
         }
     return rows
 
@@ -170,7 +214,8 @@ def main():
         f"GPU and direction, {LATENCY_S * 1e6:.0f} us per collective, one NIC per GPU; one call per bucket, with "
         "the ops, kernels and bytes touched per element of one rank's call counted at the topology on a layer's "
         "gradients; the fp16 reduce-scatter as NCCL's ring at min(NVLink, 8 NICs) per GPU (its inter-node bytes "
-        "are not a separate phase); qgZ's phases in sequence.", "",
+        "are not a separate phase); qgZ's phases in sequence; each fused stage's bytes at the lower of HBM "
+        f"bandwidth and its roofline ceiling on an {ROOFLINE_GPU} (benchmarks/qgz_roofline.py).", "",
         "| network | nodes x GPUs | method | ops + kernels per call | bytes touched per element | compute ms | "
         "network ms | total ms | vs reduce-scatter | GB each GPU sends inside its node | "
         "GB each GPU sends to other nodes |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -181,6 +226,13 @@ def main():
             method: count_work(method, num_nodes, local_world_size)
             for method in METHODS.values()
         }
+        for method, row in counts[(num_nodes, local_world_size)].items():
+            if method.endswith("-fused"):
+                row["ceilings"] = fused_ceilings(method, num_nodes, local_world_size)
+                lines.insert(
+                    1, f"Fused {method[4:7]} at {num_nodes}x{local_world_size}: roofline ceilings on an "
+                    f"{ROOFLINE_GPU} (stages 0, 1, 2) " + ", ".join(f"{100 * row['ceilings'][name]:.0f}%"
+                                                                    for name in FUSED_STAGES) + " of HBM bandwidth.")
     table = {}
     for network, nic_bps in NETWORKS.items():
         for num_nodes, local_world_size in TOPOLOGIES:

@@ -65,4 +65,6 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["data"]["kernels"]["swizzle_quant/136"]["code_real"] == 0
     assert data["data"]["fused"]["bf16/8"]["counts"]["reference"]["stage 0"] == 0
+    # each fused kernel's measured GB/s beside its roofline ceiling (a dry run models an H100)
+    assert "% of H100's HBM" in data["data"]["fused"]["speed/8"]["roofline"]["stage 1"]
     assert (tmp_path / "build.log").exists()

@@ -34,8 +34,9 @@ DIR/gpu_check.json:
    PyTorch reference quantizer (bit for bit: a mismatch fails) and on the CUDA kernels (where
    --use_fast_math may move a last bit or a tie: counted, INFO), over three topologies, three
    group sizes, fp16, bf16 and fp32, both intra-node precisions, with zero groups, subnormals,
-   each dtype's largest and smallest values, inf and NaN; each fused kernel's GB/s against a
-   device-to-device copy; one call's time and extra peak memory for the fused stages, the default
+   each dtype's largest and smallest values, inf and NaN; each fused kernel's GB/s beside its
+   static roofline ceiling on this GPU's architecture (benchmarks/qgz_roofline.py) and a
+   device-to-device copy's; one call's time and extra peak memory for the fused stages, the default
    stages and the reduce-scatter's own work (its copy-in and division) at 1M to 100M elements,
    fp16 and bf16. Section 5 also runs all_to_all_quant_reduce(fused=True) on the four ranks.
 
@@ -851,6 +852,38 @@ def fused_no_sync(report, stages, device):
                f"{where}; the same bits as the call before: {same}")
 
 
+def roofline_ceilings(device, topology, dtype_name, bits):
+    """{stage: "N% of HBM, G GB/s on GPU"}: each fused stage's static roofline ceiling
+    (benchmarks/qgz_roofline.py, run without TRITON_INTERPRET: it compiles) for this GPU, or the
+    modeled GPU of its architecture (H100 in a dry run)."""
+    if device == "cuda":
+        name, capability = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+    else:
+        name, capability = "H100", (9, 0)
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    import qgz_roofline
+    gpu = qgz_roofline.gpu_for(name, capability)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "case.json"
+        subprocess.run([
+            sys.executable,
+            str(HERE.parent / "benchmarks" / "qgz_roofline.py"), "--case", gpu, f"{topology[0]}x{topology[1]}",
+            dtype_name,
+            str(bits), "--case-out",
+            str(out)
+        ],
+                       env=env,
+                       check=True,
+                       stdout=subprocess.DEVNULL)
+        rows = json.loads(out.read_text())
+    hbm = qgz_roofline.GPUS[gpu]["hbm"] / 1e9
+    return {
+        f"stage {k}": f"{r['ceiling_percent']:.0f}% of {gpu}'s HBM, {r['ceiling_percent'] * hbm / 100:.0f} GB/s"
+        for k, r in enumerate(rows)
+    }
+
+
 def fused_speed(report, stages, device, dry_run):
     from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout
     from deepspeed.runtime.comm.quantized_pipeline import chunk_cat
@@ -875,9 +908,12 @@ def fused_speed(report, stages, device, dry_run):
                                 ("stage 2", lambda: run.average_across_nodes(sums, layout, dtype=tensor.dtype),
                                  sums.numel() + average.numel() * 2)):
             rates[name] = moved / timed(fn, device, repeats) / 1e9
-        report.row("fused", f"kernels' GB/s (bytes read and written), {tensor.numel() / 1e6:g}M bf16, {bits}/4",
-                   "INFO", ", ".join(f"{k} {v:.0f}" for k, v in rates.items()))
-        report.record("fused", f"speed/{bits}", rates)
+        ceilings = roofline_ceilings(device, (num_nodes, local_size), "bf16", bits)
+        report.row(
+            "fused", f"kernels' GB/s (bytes read and written), {tensor.numel() / 1e6:g}M bf16, {bits}/4", "INFO",
+            ", ".join(f"{k} {v:.0f}" + (f" (roofline {ceilings[k]})" if k in ceilings else "")
+                      for k, v in rates.items()))
+        report.record("fused", f"speed/{bits}", {"measured": rates, "roofline": ceilings})
     buckets = [1 << 16] if dry_run else PIPELINE_BUCKETS
     for numel in buckets:
         for dtype_name in ("fp16", "bf16"):
