@@ -25,6 +25,15 @@ its property test checks against the functions below.
 The CUDA binding names the topology arguments ``nodes`` and ``devices_per_node``; here, as in the
 rest of qgZ, they are ``num_nodes`` and ``local_world_size``.
 
+The calling convention, which every quantizer DeepSpeed ships accepts (the CUDA bindings read
+``data_ptr`` as one flat buffer, the CPU op likewise; ``NPUQuantizer``, pure PyTorch, slices
+quantized_reduction's inputs along their first dimension and asserts that dequantize's int4 data is
+a flat packed byte tensor): every tensor a kernel reads is contiguous, the codes dequantize,
+dequantize_fp32 and quantized_reduction read are moreover flat (1-D), and parameter tensors
+(``scales``, ``params``) hold their groups' parameters in order in any shape
+(``layout_violations``). A kernel's outputs are taken as flat buffers, whatever shape a quantizer
+gives them.
+
 Every ``*_violations`` function returns a list of human-readable violations (empty when the call is
 valid), each naming the condition and the values involved.
 """
@@ -350,6 +359,21 @@ def require(problems: List[str], op: str) -> None:
         raise ValueError(f"{op}: call outside the quantizer kernels' contract: " + "; ".join(problems))
 
 
+def layout_violations(flat=(), contiguous=()) -> List[str]:
+    """The calling convention (see the module docstring): the (name, tensor) pairs of `flat` flat
+    and contiguous, those of `contiguous` contiguous."""
+    problems = []
+    for name, tensor in flat:
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            problems.append(f"{name} must be a flat contiguous tensor (every DeepSpeed quantizer reads it so), got "
+                            f"shape {tuple(tensor.shape)}, strides {tuple(tensor.stride())}")
+    for name, tensor in contiguous:
+        if not tensor.is_contiguous():
+            problems.append(f"{name} must be contiguous, got shape {tuple(tensor.shape)}, strides "
+                            f"{tuple(tensor.stride())}")
+    return problems
+
+
 def tensor_violations(**tensors) -> List[str]:
     """What the CUDA bindings would misread: each named tensor must have its expected dtype
     (``(tensor, "torch.int8")`` pairs) and all must share one device; on CUDA that device must
@@ -372,47 +396,53 @@ def tensor_violations(**tensors) -> List[str]:
 
 
 class ContractCheckedQuantizer:
-    """A loaded quantizer op module (the CUDA or the CPU build) whose calls are checked against
-    this contract first, so a call the kernels would mishandle is refused with the condition and
-    the values instead of silently giving wrong results."""
+    """A quantizer op module (the CUDA or the CPU build, NPUQuantizer) whose calls are checked
+    against this contract and the calling convention first, so a call the kernels would mishandle
+    is refused with the condition and the values instead of silently giving wrong results."""
 
     def __init__(self, ops):
         self.ops = ops
-        self.QuantizationType = ops.QuantizationType
+        self.QuantizationType = getattr(ops, "QuantizationType", None)  # NPUQuantizer has none
         self.Symmetric = ops.Symmetric
-        self.Asymmetric = ops.Asymmetric
+        self.Asymmetric = getattr(ops, "Asymmetric", None)  # qgZ is symmetric
 
     def quantize(self, x, num_groups, num_bits, quant_type):
         require(
-            tensor_violations(input=(x, "torch.float16")) + quantize_violations(x.numel(), num_groups, num_bits),
-            "quantize")
-        return self.ops.quantize(x.contiguous(), num_groups, num_bits, quant_type)
+            tensor_violations(input=(x, "torch.float16")) + layout_violations(contiguous=[("input", x)]) +
+            quantize_violations(x.numel(), num_groups, num_bits), "quantize")
+        return self.ops.quantize(x, num_groups, num_bits, quant_type)
 
     def swizzle_quant(self, x, num_groups, num_bits, quant_type, pipeline_size, num_nodes, local_world_size):
         require(
-            tensor_violations(input=(x, "torch.float16")) +
+            tensor_violations(input=(x, "torch.float16")) + layout_violations(contiguous=[("input", x)]) +
             swizzle_quant_violations(x.numel(), num_groups, num_bits, pipeline_size, num_nodes, local_world_size),
             "swizzle_quant")
-        return self.ops.swizzle_quant(x.contiguous(), num_groups, num_bits, quant_type, pipeline_size, num_nodes,
-                                      local_world_size)
+        return self.ops.swizzle_quant(x, num_groups, num_bits, quant_type, pipeline_size, num_nodes, local_world_size)
 
     def quantized_reduction(self, data, scales, in_groups, out_groups, num_bits, quant_type, local_world_size):
         require(
             tensor_violations(data=(data, "torch.int8"), scales=(scales, "torch.float32")) +
-            quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits, quant_type,
-                                           local_world_size), "quantized_reduction")
-        return self.ops.quantized_reduction(data.contiguous(), scales.contiguous(), in_groups, out_groups, num_bits,
-                                            quant_type, local_world_size)
+            layout_violations(flat=[("data", data)], contiguous=[("scales", scales)]) + quantized_reduction_violations(
+                data.numel(), scales.numel(), in_groups, out_groups, num_bits, quant_type, local_world_size),
+            "quantized_reduction")
+        return self.ops.quantized_reduction(data, scales, in_groups, out_groups, num_bits, quant_type,
+                                            local_world_size)
 
     def _dequantize(self, name, out_element_size, data, params, num_groups, num_bits, quant_type):
         require(
             tensor_violations(data=(data, "torch.int8"), params=(params, "torch.float32")) +
+            layout_violations(flat=[("data", data)], contiguous=[("params", params)]) +
             dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type, out_element_size),
             name)
-        return getattr(self.ops, name)(data.contiguous(), params.contiguous(), num_groups, num_bits, quant_type)
+        return getattr(self.ops, name)(data, params, num_groups, num_bits, quant_type)
 
     def dequantize(self, data, params, num_groups, num_bits, quant_type):
         return self._dequantize("dequantize", 2, data, params, num_groups, num_bits, quant_type)
 
     def dequantize_fp32(self, data, params, num_groups, num_bits, quant_type):
         return self._dequantize("dequantize_fp32", 4, data, params, num_groups, num_bits, quant_type)
+
+
+def checked(ops) -> ContractCheckedQuantizer:
+    """`ops` behind the contract checks (itself if it already is)."""
+    return ops if isinstance(ops, ContractCheckedQuantizer) else ContractCheckedQuantizer(ops)

@@ -19,7 +19,7 @@ from deepspeed.comm import ProcessGroup, all_to_all_single
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import instrument_w_nvtx
 from deepspeed.ops import op_builder
-from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer, checked
 from deepspeed.utils import logger
 from deepspeed.runtime.comm.quantized_layout import resolve_group_size, resolve_intra_node_bits
 from deepspeed.runtime.comm.quantized_pipeline import (chunk_cat, pipeline_stages, quantized_reduce_plan,
@@ -31,7 +31,8 @@ def _torch_reduce_scatter_fn(input_tensor: Tensor, output_tensor: Tensor, group=
 
 
 # The loaded quantizer op, cached on first use. A caller may set it (DeepSpeed's own tests set the
-# pure-PyTorch NPUQuantizer); whatever is set here is what all_to_all_quant_reduce uses.
+# pure-PyTorch NPUQuantizer); whatever is set here is what all_to_all_quant_reduce uses, behind the
+# contract checks.
 quantizer_module = None
 
 # The kernels read fp16; gradients in the other dtypes are brought into fp16 range group by group
@@ -41,11 +42,11 @@ QUANTIZABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _get_quantizer_module():
     """DeepSpeed's QuantizerBuilder op for this accelerator (CUDA, or the CPU op on the CPU
-    accelerator) behind the kernel-contract checks, loaded once."""
+    accelerator), loaded once, or the op a caller set, behind the kernel-contract checks."""
     global quantizer_module
     if quantizer_module is None:
         quantizer_module = ContractCheckedQuantizer(op_builder.QuantizerBuilder().load())
-    return quantizer_module
+    return checked(quantizer_module)
 
 
 @dataclass

@@ -275,7 +275,9 @@ def _summed_chunks(slots: Tensor, params: Tensor, fmt: SlotFormat, chunks, quant
     per chunk."""
     copies = slots.shape[:-1].numel()
     for first, stop in chunks:
-        values = quantizer.dequantize(slots[..., first * fmt.group_bytes:stop * fmt.group_bytes],
+        # flat, as every quantizer takes its data (qgz_contract): the whole buffer as it is for one
+        # chunk, a copy of the chunk's groups for several
+        values = quantizer.dequantize(slots[..., first * fmt.group_bytes:stop * fmt.group_bytes].reshape(-1),
                                       params[..., first:stop].reshape(-1, 1), copies * (stop - first), fmt.bits,
                                       quantizer.Symmetric)
         data_stop = min(stop, fmt.groups_per_partition)  # the scale groups' zeros are not summed

@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from deepspeed.ops.quantizer.qgz_contract import checked
 from deepspeed.runtime.comm import coalesced_collectives as cc
 from deepspeed.runtime.comm.quantized_layout import QuantizedReduceLayout, resolve_group_size, resolve_intra_node_bits
 from deepspeed.runtime.comm.quantized_pipeline import QuantizedStages, pipeline_stages, quantized_reduce_plan
@@ -32,8 +33,8 @@ def simulate_all_to_all_quant_reduce(
     """Args:
         inputs: inputs[r] is rank r's list of tensors (two or more dimensions, the same shapes on
             every rank), for the num_nodes x local_world_size ranks in rank order.
-        quantizer: the quantizer op module (default: the one all_to_all_quant_reduce loads; not
-            used with `fused`).
+        quantizer: the quantizer op module (default: the one all_to_all_quant_reduce uses; not
+            used with `fused`), behind the contract checks.
         group_size, intra_node_bits, fused: as all_to_all_quant_reduce's.
 
     Returns:
@@ -50,7 +51,7 @@ def simulate_all_to_all_quant_reduce(
         require_fused(inputs[0][0].device)
         stages = pipeline_stages(None, fused=True)
     else:
-        stages = pipeline_stages(cc._get_quantizer_module() if quantizer is None else quantizer)
+        stages = pipeline_stages(cc._get_quantizer_module() if quantizer is None else checked(quantizer))
     outputs = [[] for _ in range(world)]
     for start, layout in plan:
         run = slice(start, start + len(layout.tensors))

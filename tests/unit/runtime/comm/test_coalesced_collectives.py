@@ -275,7 +275,34 @@ class FusedKernelTests:
         assert_no_problems(problems)
 
 
-class TestQuantizedReduceScatter3Nodes2Ranks(FusedKernelTests, QuantizedReduceScatterTests, DistributedTest):
+class NPUQuantizerTests:
+    """all_to_all_quant_reduce on DeepSpeed's pure-PyTorch NPUQuantizer, set as the quantizer module
+    as DeepSpeed's own tests set it: the simulated cluster on the same quantizer, bit for bit, and
+    the exact average within the error bound (NPUQuantizer truncates where the CUDA kernels round, so
+    no RMS bound), in every dtype at both intra-node precisions."""
+
+    @pytest.mark.parametrize("intra_node_bits", INTRA_NODE_BITS)
+    def test_npu_quantizer(self, intra_node_bits):
+        from deepspeed.ops.op_builder.npu.quantizer import NPUQuantizer
+        saved, coalesced_collectives.quantizer_module = coalesced_collectives.quantizer_module, NPUQuantizer
+        problems = []
+        try:
+            with simulated_nodes(self.local_size) as groups:
+                for seed, (dtype_name, dtype) in enumerate(DTYPES.items()):
+                    problems += quantized_call(f"NPUQuantizer/{dtype_name}", [(33, 17), (64, ), (5, 5, 5), (40, 30)],
+                                               dtype,
+                                               seed,
+                                               groups,
+                                               self.local_size,
+                                               rms_bound=None,
+                                               intra_node_bits=intra_node_bits)
+        finally:
+            coalesced_collectives.quantizer_module = saved
+        assert_no_problems(problems)
+
+
+class TestQuantizedReduceScatter3Nodes2Ranks(NPUQuantizerTests, FusedKernelTests, QuantizedReduceScatterTests,
+                                             DistributedTest):
     world_size = 6
     local_size = 2
 
@@ -314,6 +341,6 @@ class TestQuantizedReduceScatter5Nodes2Ranks(FusedKernelTests, QuantizedReduceSc
     fused_dtypes = {"bf16": DTYPES["bf16"]}  # every dtype at 3x2; ten ranks share two cores here
 
 
-class TestQuantizedReduceScatter2Nodes2Ranks(QuantizedReduceScatterTests, DistributedTest):
+class TestQuantizedReduceScatter2Nodes2Ranks(NPUQuantizerTests, QuantizedReduceScatterTests, DistributedTest):
     world_size = 4
     local_size = 2
