@@ -146,6 +146,8 @@ def work_worker(args):
                 try:
                     if not fused:
                         call([t.clone() for t in tensors])  # warm-up
+                    else:  # the fused setting's self-check, once per dtype and precision, uncounted
+                        call([torch.randn(96, 64, generator=gen).to(dtype)])
                     ours.qgz_accounting.reset()
                     inputs = [t.clone() for t in tensors]
                     work = WorkCounter(run_launches=not fused)

@@ -57,6 +57,7 @@ EDITS: Tuple[Edit, ...] = (
     # ZeRO config keys for the quantized gradient reduce-scatter: the model validates them (the
     # rules live in deepspeed/runtime/comm/quantized_layout.py), the engine hands them to stage 3,
     # stage 3 to all_to_all_quant_reduce.
+    Edit("deepspeed/runtime/zero/config.py", "from typing import Optional\n", "from typing import Optional, Union\n"),
     Edit("deepspeed/runtime/zero/config.py", "from pydantic import Field, model_validator\n",
          "from pydantic import Field, field_validator, model_validator\n"),
     Edit(
@@ -64,7 +65,7 @@ EDITS: Tuple[Edit, ...] = (
         '    "zero_quantized_gradients": [true|false],\n'
         '    "zero_quantized_gradients_group_size": 136,\n'
         '    "zero_quantized_gradients_intra_node_bits": [4|8],\n'
-        '    "zero_quantized_gradients_fused": [true|false],\n'),
+        '    "zero_quantized_gradients_fused": [true|false|"auto"],\n'),
     Edit(
         "deepspeed/runtime/zero/config.py", '    zero_quantized_gradients: bool = False\n'
         '    """\n'
@@ -102,17 +103,22 @@ EDITS: Tuple[Edit, ...] = (
         '        from deepspeed.runtime.comm.quantized_layout import resolve_intra_node_bits\n'
         '        return resolve_intra_node_bits(value, "zero_quantized_gradients_intra_node_bits")\n'
         '\n'
-        '    zero_quantized_gradients_fused: bool = False\n'
+        '    zero_quantized_gradients_fused: Union[bool, str] = "auto"\n'
         '    """\n'
         '    Run the quantized gradients\' (zero_quantized_gradients) three stages as fused\n'
         '    Triton kernels, one launch each, with the same results bit for bit as\n'
-        '    DeepSpeed\'s quantizer kernels. Needs Triton and a CUDA accelerator.\n'
+        '    DeepSpeed\'s quantizer kernels: true, false, or "auto", where each GPU checks\n'
+        '    the fused kernels\' bits against the reference at the first call and uses them\n'
+        '    where they match and are faster (every rank agreeing). true needs Triton and a\n'
+        '    CUDA accelerator.\n'
         '    """\n'
         '\n'
-        '    @field_validator("zero_quantized_gradients_fused")\n'
+        '    @field_validator("zero_quantized_gradients_fused", mode="before")\n'
         '    @classmethod\n'
         '    def quantized_gradients_fused_valid(cls, value):\n'
-        '        if value:\n'
+        '        from deepspeed.runtime.comm.quantized_fused_choice import resolve_fused\n'
+        '        value = resolve_fused(value, "zero_quantized_gradients_fused")\n'
+        '        if value is True:\n'
         '            from deepspeed.accelerator import get_accelerator\n'
         '            from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason\n'
         '            reason = fused_unavailable_reason(get_accelerator().device_name())\n'
@@ -147,7 +153,7 @@ EDITS: Tuple[Edit, ...] = (
         "        zero_quantized_nontrainable_weights=False,\n"
         "        zero_quantized_gradients_group_size=None,\n"
         "        zero_quantized_gradients_intra_node_bits=None,\n"
-        "        zero_quantized_gradients_fused=False,\n"),
+        "        zero_quantized_gradients_fused=\"auto\",\n"),
     Edit(
         "deepspeed/runtime/zero/stage3.py", "        self.all2all_process_group = all2all_process_group\n",
         "        self.all2all_process_group = all2all_process_group\n"
@@ -168,7 +174,7 @@ EDITS: Tuple[Edit, ...] = (
         '    "zero_quantized_gradients": [true|false],\n'
         '    "zero_quantized_gradients_group_size": 136,\n'
         '    "zero_quantized_gradients_intra_node_bits": [4|8],\n'
-        '    "zero_quantized_gradients_fused": [true|false],\n'),
+        '    "zero_quantized_gradients_fused": [true|false|"auto"],\n'),
     Edit(
         "docs/_pages/config-json.md",
         "|Boolean indicating whether to enable communication efficient quantized gradients of ZeRO++. | `False`   |\n",
@@ -191,14 +197,17 @@ EDITS: Tuple[Edit, ...] = (
         "node sums exchanged between nodes are always 4 bits, so 8 doubles the bytes sent inside the node, "
         "not across nodes, and lowers the gradients' quantization error. | `8` |\n"
         "\n"
-        "***zero_quantized_gradients_fused***: [boolean]\n"
+        "***zero_quantized_gradients_fused***: [boolean or \"auto\"]\n"
         "\n"
         "| Description | Default |\n"
         "| ----------- | ------- |\n"
         "| Run ZeRO++'s quantized gradient reduce-scatter as three fused Triton kernels, one launch per stage, "
         "which read the gradients where they lie and give the same results bit for bit as DeepSpeed's quantizer "
-        "kernels, with less memory traffic and no extra buffers. Needs Triton (CUDA builds of PyTorch ship it) "
-        "and a CUDA accelerator; `deepspeed.initialize` says why when it cannot run. | `false` |\n"),
+        "kernels, with less memory traffic. `\"auto\"`: at the first call, each GPU checks the fused kernels' "
+        "bits against the reference quantizer and times one call of each path; the fused kernels run where "
+        "their bits match and they are faster, on every rank or none, and rank 0 logs the choice. `true` needs "
+        "Triton (CUDA builds of PyTorch ship it) and a CUDA accelerator; `deepspeed.initialize` says why when it "
+        "cannot run. | `\"auto\"` |\n"),
     # DeepSpeed's LoCo test takes any compatible QuantizerBuilder for the CUDA one; the CPU
     # accelerator's (above) has no LoCo kernels, so there the test skips, saying why. Only trees
     # from before LoCo's removal (DeepSpeed PR #8534) have the test: the edit applies where it is.

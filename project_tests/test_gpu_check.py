@@ -48,7 +48,8 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
     # ranks: the collective, default and fused, in 3 dtypes x 2 precisions, training bf16/fp32 x
     # on/off; speed: 4 group sizes, one bucket in 2 dtypes x 2 precisions; fused: whether it can
     # run, 3 dtypes x 2 precisions x (against the reference, against the op), a call without a host
-    # synchronization, GB/s at 2 precisions, one call in 2 dtypes
+    # synchronization, GB/s at 2 precisions, one call in 2 dtypes; fused choice: "auto" in 3 dtypes
+    # x 2 precisions
     assert {
         k: len(v)
         for k, v in sections.items()
@@ -59,7 +60,8 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
         "glue": 12,
         "ranks": 16,
         "speed": 8,
-        "fused": 18
+        "fused": 18,
+        "fused choice": 6
     }, table
     assert all(status in ("PASS", "INFO") for statuses in sections.values() for status in statuses), table
     data = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -67,4 +69,6 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
     assert data["data"]["fused"]["bf16/8"]["counts"]["reference"]["stage 0"] == 0
     # each fused kernel's measured GB/s beside its roofline ceiling (a dry run models an H100)
     assert "% of H100's HBM" in data["data"]["fused"]["speed/8"]["roofline"]["stage 1"]
+    # the self-check passes in the interpreter; which path "auto" takes there depends on times
+    assert "the self-check gave the reference's bits" in data["data"]["fused choice"]["bf16/8"]["reason"]
     assert (tmp_path / "build.log").exists()

@@ -39,10 +39,14 @@ DIR/gpu_check.json:
    device-to-device copy's; one call's time and extra peak memory for the fused stages, the default
    stages and the reduce-scatter's own work (its copy-in and division) at 1M to 100M elements,
    fp16 and bf16. Section 5 also runs all_to_all_quant_reduce(fused=True) on the four ranks.
+8. fused choice: zero_quantized_gradients_fused "auto" at a first call of 8Mi elements (3x2
+   layout) in fp16, bf16 and fp32 at both intra-node precisions: the self-check (a mismatch fails),
+   the choice with both paths' times, the start-up time with Triton's compilation, the extra peak
+   memory, and the self-check's time once compiled (quantized_fused_choice.py).
 
 --dry-run-on-cpu runs every section that can run without CUDA, on the CPU op and CPU tensors,
 smaller (section 5 on gloo with CPU tensors, bf16 and fp32: the CPU accelerator refuses fp16
-training; section 7 in Triton's interpreter). It checks this script, nothing about a GPU.
+training; sections 7 and 8 in Triton's interpreter). It checks this script, nothing about a GPU.
 """
 
 import argparse
@@ -949,6 +953,64 @@ def fused_speed(report, stages, device, dry_run):
             report.record("fused", f"call/{numel}/{dtype_name}", cells)
 
 
+def fused_choice(report, checked, device, dry_run):
+    """zero_quantized_gradients_fused "auto" as a user's first qgZ call meets it (one rank, 3x2
+    layout): the self-check's verdict, the choice, both paths' times on the call's bucket, the
+    start-up time (Triton's compilation of the variants included) and the check's extra peak
+    memory; then the self-check alone again, compiled."""
+    from deepspeed.runtime.comm import quantized_fused_choice as choice
+    from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout
+    numel = 24576 if dry_run else 8 * 2**20
+    gen = torch.Generator().manual_seed(11)
+    for dtype_name, dtype in DTYPES.items():
+        for bits in (8, 4):
+            tensors = [t.to(device) for t in cluster_inputs([(numel // 1024, 1024)], 1, dtype, gen)[0]]
+            layout = quantized_reduce_layout((numel, ), 3, 2, 136, bits)
+            synchronize(device)
+            base = memory_allocated(device)
+            begin = time.perf_counter()
+            fused = choice.choose_fused(choice.AUTO, tensors, layout, checked)
+            synchronize(device)
+            startup = time.perf_counter() - begin
+            extra = (max_memory_allocated(device) - base) / 2**20
+            reason = [
+                c.reason for key, c in choice.choices().items() if key.dtype == dtype and key.intra_node_bits == bits
+            ][-1]
+            begin = time.perf_counter()
+            again = choice.self_check(3, 2, 136, bits, dtype, device)
+            synchronize(device)
+            warm = time.perf_counter() - begin
+            status = "PASS" if "the self-check gave the reference's bits" in reason and again is None else "FAIL"
+            report.row(
+                "fused choice", f"\"auto\" at the first call, {dtype_name}, {bits}/4, "
+                f"{numel / 2**20:g}Mi elements", status,
+                f"{'fused' if fused else 'default'}; start-up {startup:.2f} s (self-check compiled "
+                f"{warm:.2f} s), extra peak {extra:.1f} MiB; {reason}")
+            report.record("fused choice", f"{dtype_name}/{bits}", {
+                "fused": fused,
+                "startup_s": startup,
+                "self_check_s": warm,
+                "extra_peak_mib": extra,
+                "reason": reason
+            })
+
+
+def synchronize(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def memory_allocated(device):
+    if device != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def max_memory_allocated(device):
+    return torch.cuda.max_memory_allocated() if device == "cuda" else 0
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -984,6 +1046,8 @@ def main():
             speed(report, ops, checked, device, dry_run)
         with report.section("fused"):
             fused(report, checked, device, dry_run)
+        with report.section("fused choice"):
+            fused_choice(report, checked, device, dry_run)
     report.record("total", "seconds", round(time.perf_counter() - report.start, 1))
     report.write()
     print("\n" + report.table())

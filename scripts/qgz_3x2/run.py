@@ -116,6 +116,9 @@ def main():
         print(line)
     finite = all(math.isfinite(loss) for losses in qgz_losses.values() for loss in losses)
     print(f"all {len(qgz_losses)} ranks finite: {finite}")
+    for label, report in (("qgZ on", qgz), ("qgZ fused", fused)):
+        for reason in (report or {}).get("fused_choices", []):
+            print(f"{label}: {reason}")
     summary = qgz["qgz"]
     print(f"qgZ: {summary['calls']} calls, {summary['quantized_tensors']} tensors ({summary['quantized_elems']} "
           f"elements) quantized, {summary['padding_elems']} padding elements added, {summary['exact_tensors']} 1-D "

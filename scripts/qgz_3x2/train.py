@@ -76,9 +76,16 @@ def main():
         model.step()
 
     from deepspeed.runtime.comm.coalesced_collectives import qgz_accounting
+    from deepspeed.runtime.comm.quantized_fused_choice import choices
     weights = model._zero3_consolidated_16bit_state_dict()  # a collective: every rank takes part
     if args.loss_dir:
-        report = {"losses": losses, "qgz": vars(qgz_accounting.totals), "steps": len(losses)}
+        report = {
+            "losses": losses,
+            "qgz": vars(qgz_accounting.totals),
+            "steps": len(losses),
+            # zero_quantized_gradients_fused's decisions (the same on every rank) and why
+            "fused_choices": [choice.reason for choice in choices().values()]
+        }
         if dist.get_rank() == 0:
             report["weights"] = {name: tensor.float().reshape(-1).tolist() for name, tensor in weights.items()}
         with open(os.path.join(args.loss_dir, f"rank{dist.get_rank()}.json"), "w") as f:

@@ -21,6 +21,7 @@ from deepspeed.utils import instrument_w_nvtx
 from deepspeed.ops import op_builder
 from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer, checked
 from deepspeed.utils import logger
+from deepspeed.runtime.comm.quantized_fused_choice import choose_fused, resolve_fused
 from deepspeed.runtime.comm.quantized_layout import resolve_group_size, resolve_intra_node_bits
 from deepspeed.runtime.comm.quantized_pipeline import (chunk_cat, pipeline_stages, quantized_reduce_plan,
                                                        quantized_reduce_scatter)
@@ -138,7 +139,7 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
                             groups: Dict[str, ProcessGroup],
                             group_size: Optional[int] = None,
                             intra_node_bits: Optional[int] = None,
-                            fused: bool = False) -> List[Tensor]:
+                            fused=False) -> List[Tensor]:
     """Quantized (ZeRO++ qgZ) drop-in for ``reduce_scatter_coalesced(tensors)`` over the world.
 
     Tensors of two or more dimensions go through one hierarchical exchange for the whole call
@@ -155,8 +156,10 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
         group_size: the largest quantization group, in values (quantized_layout.resolve_group_size).
         intra_node_bits: 4 or 8, the precision of the intra-node exchange
             (quantized_layout.resolve_intra_node_bits).
-        fused: run the three stages as fused Triton kernels (quantized_fused.py): one launch each,
-            the same results bit for bit, on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1).
+        fused: False, True or "auto" (quantized_fused_choice.py): whether the three stages run as
+            fused Triton kernels (quantized_fused.py: one launch each, the same results bit for bit,
+            on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1); "auto" where the rank's
+            device checks their bits and they are faster, with every rank's agreement.
 
     Returns:
         For each tensor, rank r's elements [r * C, min((r + 1) * C, numel)) of the average over
@@ -169,7 +172,8 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
         ValueError: before any collective, for mixed dtypes or devices, an unsupported dtype, a
             world size that is not a multiple of the accelerator's device count, a missing or
             mis-sized group, an invalid group size or precision, a tensor too large for the
-            kernels, or fused kernels that cannot run here; each names the values.
+            kernels, or a `fused` setting that is not one of the three; with `fused` True, fused
+            kernels that cannot run here or whose self-check fails; each names the values.
     """
     if not tensors:
         return []
@@ -179,16 +183,16 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
                          f"expected one of {QUANTIZABLE_DTYPES}")
     group_size = resolve_group_size(group_size)
     intra_node_bits = resolve_intra_node_bits(intra_node_bits)
+    fused = resolve_fused(fused)
     quantized = [i for i, t in enumerate(tensors) if t.dim() > 1 and t.numel() > 0]
     exact = [i for i, t in enumerate(tensors) if t.dim() <= 1 and t.numel() > 0]
     if quantized:
         num_nodes, local_world_size, local_group, global_group = _quantized_topology(groups)
         plan = quantized_reduce_plan(tuple(tensors[i].numel() for i in quantized), num_nodes, local_world_size,
                                      group_size, intra_node_bits)
-        if fused:
-            from deepspeed.runtime.comm.quantized_fused import require_fused
-            require_fused(tensors[0].device)
-        stages = pipeline_stages(None if fused else _get_quantizer_module(), fused)
+        quantizer = _get_quantizer_module()
+        first_run = [tensors[i] for i in quantized[:len(plan[0][1].tensors)]]
+        stages = pipeline_stages(quantizer, choose_fused(fused, first_run, plan[0][1], quantizer))
 
     outputs: List[Tensor] = [t.new_empty(0) if t.numel() == 0 else None for t in tensors]
     stats = QuantizedReduceStats(calls=1)

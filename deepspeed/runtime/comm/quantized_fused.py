@@ -140,13 +140,6 @@ def fused_unavailable_reason(device_type: str) -> Optional[str]:
     return None
 
 
-def require_fused(device: torch.device) -> None:
-    """Raises ValueError naming why, if the fused kernels cannot run on `device`."""
-    reason = fused_unavailable_reason(device.type)
-    if reason is not None:
-        raise ValueError(f"all_to_all_quant_reduce(fused=True): {reason}")
-
-
 def _launch(kernel, grid, args, meta, reads=()):
     """One kernel launch over `grid` (programs per axis). `reads`: the tensors the kernel reads
     through a table of addresses rather than as arguments (the accounting counts them).
@@ -195,7 +188,7 @@ if triton is not None:
 
     @triton.jit
     def _times_power_of_two(x, exponent):
-        """x * 2**exponent rounded once to fp32, for normal x of magnitude in [2**-32, 2**14] and any
+        """x * 2**exponent rounded once to fp32, for x zero or normal of magnitude in [2**-32, 2**14], any
         int32 exponent: x * 2**a is exact and normal for a in [-94, 112], and the second factor,
         2**(exponent - a) limited to fp32's powers, rounds once (overflowing, or flushing to zero,
         exactly where the exact product does)."""
@@ -475,7 +468,8 @@ if triton is not None:
             absmax = tl.where(finite, tl.maximum(positive, negative), 0).to(tl.float32, bitcast=True)
             scale = tl.math.div_rn(tl.full(absmax.shape, 8.0, tl.float32), tl.where(absmax == 0.0, 8.0, absmax))
             param = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-            fold = tl.where(param < 1.0, _times_power_of_two(param, fold_exponent), 0.0)
+            # 0 where param >= 1 (no fold): the product is taken of 0 there, which cannot overflow
+            fold = _times_power_of_two(tl.where(param < 1.0, param, 0.0), fold_exponent)
             carried = tl.where(finite, fold, float("nan"))
             return scale, tl.full(scale.shape, 1.0, tl.float32), tl.where(finite, 8, 0), carried
 

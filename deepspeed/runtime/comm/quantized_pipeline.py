@@ -406,8 +406,8 @@ class QuantizedStages(NamedTuple):
 
 def pipeline_stages(quantizer, fused: bool = False) -> QuantizedStages:
     """The stages on `quantizer` (the quantizer op module) with the glue of this module, or with
-    `fused` the fused Triton kernels of quantized_fused.py (same bits; `quantizer` is not used)."""
-    if fused:
+    `fused` True the fused Triton kernels of quantized_fused.py (same bits; `quantizer` is not used)."""
+    if fused is True:
         from deepspeed.runtime.comm import quantized_fused
         return QuantizedStages(quantized_fused.quantize_partitions, quantized_fused.reduce_within_node,
                                quantized_fused.average_across_nodes)

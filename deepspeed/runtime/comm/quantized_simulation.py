@@ -18,23 +18,23 @@ import torch
 
 from deepspeed.ops.quantizer.qgz_contract import checked
 from deepspeed.runtime.comm import coalesced_collectives as cc
+from deepspeed.runtime.comm.quantized_fused_choice import choose_fused, resolve_fused
 from deepspeed.runtime.comm.quantized_layout import QuantizedReduceLayout, resolve_group_size, resolve_intra_node_bits
 from deepspeed.runtime.comm.quantized_pipeline import QuantizedStages, pipeline_stages, quantized_reduce_plan
 
 
-def simulate_all_to_all_quant_reduce(
-        inputs: Sequence[Sequence[torch.Tensor]],
-        num_nodes: int,
-        local_world_size: int,
-        quantizer=None,
-        group_size: Optional[int] = None,
-        intra_node_bits: Optional[int] = None,
-        fused: bool = False) -> Tuple[List[List[torch.Tensor]], List[QuantizedReduceLayout]]:
+def simulate_all_to_all_quant_reduce(inputs: Sequence[Sequence[torch.Tensor]],
+                                     num_nodes: int,
+                                     local_world_size: int,
+                                     quantizer=None,
+                                     group_size: Optional[int] = None,
+                                     intra_node_bits: Optional[int] = None,
+                                     fused=False) -> Tuple[List[List[torch.Tensor]], List[QuantizedReduceLayout]]:
     """Args:
         inputs: inputs[r] is rank r's list of tensors (two or more dimensions, the same shapes on
             every rank), for the num_nodes x local_world_size ranks in rank order.
         quantizer: the quantizer op module (default: the one all_to_all_quant_reduce uses; not
-            used with `fused`), behind the contract checks.
+            used where the fused kernels run), behind the contract checks.
         group_size, intra_node_bits, fused: as all_to_all_quant_reduce's.
 
     Returns:
@@ -46,12 +46,11 @@ def simulate_all_to_all_quant_reduce(
         raise ValueError(f"expected inputs for {num_nodes} x {local_world_size} = {world} ranks, got {len(inputs)}")
     plan = quantized_reduce_plan(tuple(t.numel() for t in inputs[0]), num_nodes, local_world_size,
                                  resolve_group_size(group_size), resolve_intra_node_bits(intra_node_bits))
-    if fused:
-        from deepspeed.runtime.comm.quantized_fused import require_fused
-        require_fused(inputs[0][0].device)
-        stages = pipeline_stages(None, fused=True)
-    else:
-        stages = pipeline_stages(cc._get_quantizer_module() if quantizer is None else checked(quantizer))
+    fused = resolve_fused(fused)
+    quantizer = cc._get_quantizer_module() if quantizer is None else checked(quantizer)
+    first = plan[0][1]
+    stages = pipeline_stages(quantizer,
+                             choose_fused(fused, list(inputs[0][:len(first.tensors)]), first, quantizer, world=False))
     outputs = [[] for _ in range(world)]
     for start, layout in plan:
         run = slice(start, start + len(layout.tensors))

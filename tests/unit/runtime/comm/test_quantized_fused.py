@@ -14,7 +14,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.comm import quantized_pipeline
 from deepspeed.runtime.comm.quantized_layout import MIN_GROUP_SIZE, quantized_reduce_layout
 from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
@@ -167,5 +166,8 @@ def test_refusals_name_the_reason(monkeypatch):
     from deepspeed.runtime.comm import quantized_fused
     assert "not on xpu" in quantized_fused.fused_unavailable_reason("xpu")
     monkeypatch.setattr(quantized_fused, "triton", None)
-    with pytest.raises(ValueError, match=r"fused=True\): Triton is not installed"):
-        quantized_fused.require_fused(torch.device(get_accelerator().current_device_name()))
+    inputs = special_inputs([(6, 8)], 2, torch.float32, 0, qgz_util.RANGE_PATTERNS[0])
+    with pytest.raises(ValueError,
+                       match=r"fused true .*: the fused kernels were asked for, but the fused kernels "
+                       r"cannot run here: Triton is not installed"):
+        simulate_all_to_all_quant_reduce(inputs, 1, 2, fused=True)

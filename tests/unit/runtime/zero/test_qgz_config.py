@@ -37,10 +37,17 @@ def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(key, value, all
     assert f"{key} {value} must be {allowed}" in str(raised.value)
 
 
-def test_fused_is_off_by_default_and_refused_where_it_cannot_run(monkeypatch):
+def test_fused_is_auto_by_default_and_refused_where_it_cannot_run(monkeypatch):
     from deepspeed.runtime.comm import quantized_fused
-    assert DeepSpeedZeroConfig(stage=3, zero_quantized_gradients=True).zero_quantized_gradients_fused is False
+    assert DeepSpeedZeroConfig(stage=3, zero_quantized_gradients=True).zero_quantized_gradients_fused == "auto"
+    for value in (True, False, "auto"):
+        assert DeepSpeedZeroConfig(stage=3, zero_quantized_gradients_fused=value).zero_quantized_gradients_fused \
+            is value or value == "auto"
+    with pytest.raises(ValueError) as raised:
+        DeepSpeedZeroConfig(stage=3, zero_quantized_gradients=True, zero_quantized_gradients_fused="yes")
+    assert "zero_quantized_gradients_fused 'yes' must be one of true, false or \"auto\"" in str(raised.value)
     monkeypatch.setattr(quantized_fused, "triton", None)
+    assert DeepSpeedZeroConfig(stage=3, zero_quantized_gradients_fused="auto").zero_quantized_gradients_fused == "auto"
     with pytest.raises(ValueError) as raised:
         DeepSpeedZeroConfig(stage=3, zero_quantized_gradients=True, zero_quantized_gradients_fused=True)
     assert "zero_quantized_gradients_fused true cannot run here: Triton is not installed" in str(raised.value)
@@ -72,9 +79,13 @@ def model_and_config(**zero):
 class TestQuantizedGradientsConfigAtInitialize(DistributedTest):
     world_size = 1
 
-    def test_bad_value_fails_at_initialize(self):
-        model, config = model_and_config(zero_quantized_gradients_intra_node_bits=16)
-        with pytest.raises(ValueError, match="zero_quantized_gradients_intra_node_bits 16 must be one of"):
+    @pytest.mark.parametrize("key,value,message", [
+        ("zero_quantized_gradients_intra_node_bits", 16, "zero_quantized_gradients_intra_node_bits 16 must be one of"),
+        ("zero_quantized_gradients_fused", "on", "zero_quantized_gradients_fused 'on' must be one of true, false or"),
+    ])
+    def test_bad_value_fails_at_initialize(self, key, value, message):
+        model, config = model_and_config(**{key: value})
+        with pytest.raises(ValueError, match=message):
             deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
 
@@ -119,36 +130,52 @@ class TestQuantizedGradientsConfigReachesTheCall(DistributedTest):
                 stage3.all_to_all_quant_reduce = real
         assert calls and dist.get_world_size() == 6
         for kwargs, reported, with_keys, with_defaults in calls:
-            assert kwargs == {"group_size": 256, "intra_node_bits": 4, "fused": False}
+            assert kwargs == {"group_size": 256, "intra_node_bits": 4, "fused": "auto"}
             # the accounting shows the layout the keys make, which is not the defaults'
             assert reported == with_keys != with_defaults
 
 
-class TestFusedKernelsTrainAsTheDefault(DistributedTest):
-    """At 3 nodes x 2 ranks, ZeRO-3 with zero_quantized_gradients_fused true: the same losses and
-    the same weights, bit for bit, as with DeepSpeed's quantizer kernels, step by step."""
+class TestFusedSettingsTrainAsTheDefault(DistributedTest):
+    """At 3 nodes x 2 ranks, ZeRO-3 with the default zero_quantized_gradients_fused ("auto") and
+    with true: the same losses and the same weights, bit for bit, as with false (DeepSpeed's
+    quantizer kernels), step by step."""
     world_size = 6
     reuse_dist_env = True
+
+    def train(self, **zero):
+        model, config = model_and_config(**zero)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        losses = []
+        for _ in range(2):
+            x = torch.randn(2, 40, generator=gen).to(device=engine.device, dtype=torch.bfloat16)
+            loss = engine(x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses, [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
+
+    def assert_same_training(self, run, expected):
+        assert run[0] == expected[0]
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(run[1], expected[1]))
+
+    def test_the_default_config_trains_as_fused_false(self):
+        """Without the interpreter the CPU takes DeepSpeed's kernels, saying why; under it the
+        self-check and the times decide: the losses are the same either way."""
+        from deepspeed.runtime.comm import quantized_fused_choice
+        with simulated_nodes(2):
+            default = self.train()
+            off = self.train(zero_quantized_gradients_fused=False)
+        self.assert_same_training(default, off)
+        decided = [c for key, c in quantized_fused_choice.choices().items() if key.setting == "auto"]
+        assert decided and all(
+            c.reason.startswith('qgZ zero_quantized_gradients_fused "auto" (bfloat16') for c in decided)
 
     def test_fused_training_equals_the_default(self):
         from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason
         reason = fused_unavailable_reason(get_accelerator().device_name())
         if reason is not None:
             pytest.skip(f"fused kernels: {reason}")
-        runs = {}
         with simulated_nodes(2):
-            for fused in (False, True):
-                model, config = model_and_config(zero_quantized_gradients_fused=fused)
-                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-                gen = torch.Generator().manual_seed(dist.get_rank())
-                losses = []
-                for _ in range(2):
-                    x = torch.randn(2, 40, generator=gen).to(device=engine.device, dtype=torch.bfloat16)
-                    loss = engine(x).float().pow(2).mean()
-                    engine.backward(loss)
-                    engine.step()
-                    losses.append(loss.item())
-                runs[fused] = losses, [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
-        assert runs[True][0] == runs[False][0]
-        assert all(
-            torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(runs[True][1], runs[False][1]))
+            self.assert_same_training(self.train(zero_quantized_gradients_fused=True),
+                                      self.train(zero_quantized_gradients_fused=False))
