@@ -280,3 +280,22 @@ def test_functions_the_cpu_op_lacks_name_themselves(cpu_quantizer):
     for name in ("dequantize_int4_to_half_experimental", "dequantize_int8_to_half_experimental"):
         with pytest.raises(RuntimeError, match=f"{name} has no CPU implementation"):
             getattr(cpu_quantizer.ops, name)(torch.zeros(8, dtype=torch.int8), torch.ones(1), torch.ones(1), 1, 8)
+
+
+@pytest.mark.parametrize("fn_args,message", [
+    (("dequantize", torch.zeros(2, 8, dtype=torch.int8), torch.ones(2, 1), 2, 4, Q),
+     r"data must be a flat contiguous tensor \(every DeepSpeed quantizer reads it so\), got shape \(2, 8\)"),
+    (("quantized_reduction", torch.zeros(2, 68, dtype=torch.int8), torch.ones(
+        2, 1), 2, 1, 4, Q, 2), r"data must be a flat contiguous tensor .* got shape \(2, 68\)"),
+    (("swizzle_quant", torch.zeros(2, 128, dtype=torch.half).t(), 4, 4, Q, 1, 1, 1),
+     r"input must be contiguous, got shape \(128, 2\), strides \(1, 128\)"),
+    (("dequantize", torch.zeros(16, dtype=torch.int8), torch.ones(2,
+                                                                  2)[:, :1], 2, 4, Q), r"params must be contiguous"),
+])
+def test_the_calling_convention_is_checked_not_mended(cpu_quantizer, fn_args, message):
+    """qgz_contract's calling convention, which every quantizer DeepSpeed ships accepts (NPUQuantizer
+    asserts on 2-D codes): refused with the shape and strides, never copied into shape silently."""
+    name, *args = fn_args
+    call_args = [cpu_quantizer.Symmetric if arg is Q else arg for arg in args]
+    with pytest.raises(ValueError, match=message):
+        getattr(cpu_quantizer, name)(*call_args)
