@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One-command GPU validation of the qgZ CUDA path (see README, "GPU check").
+# One-command GPU validation of the qgZ CUDA path (see docs/gpu-check.md).
 #   bash scripts/gpu_check.sh [--out DIR]
 # Needs CUDA, torch and ninja. DeepSpeed and this package may come as wheels in .whl/ (built on a
-# CPU machine: README lists the commands); they are installed into /tmp/qgz-site, not the system.
+# CPU machine: docs/gpu-check.md lists the commands); they are installed into /tmp/qgz-site, not the system.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
