@@ -308,10 +308,13 @@ if triton is not None:
             return ((_nibbles(data, start, live) ^ 8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
 
     @triton.jit
-    def _scale_magnitude(scale):
-        """The magnitude of fp32 scales as int32 bits, and whether they are finite."""
-        magnitude = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        return magnitude, magnitude < 0x7F800000
+    def _fold_scales(largest, finite, scales, live_rows):
+        """`largest` (the int32 bits of the largest finite magnitude so far) and `finite` (every
+        scale so far finite) with the rows' fp32 scales at `scales` folded in: one step of the scan
+        over the copies of each row's scale (the node's copies in stage 1, the nodes' sums in stage 2)."""
+        magnitude = tl.load(scales.to(tl.pointer_type(tl.int32)), mask=live_rows, other=0) & 0x7FFFFFFF
+        ok = magnitude < 0x7F800000
+        return tl.maximum(largest, tl.where(ok, magnitude, 0)), finite & ok
 
     @triton.jit
     def _zero_bytes(out, start, stop, BLOCK: tl.constexpr):
@@ -519,12 +522,7 @@ if triton is not None:
         largest = rows * 0
         finite = live_rows | ~live_rows
         for copy in tl.range(0, copies, loop_unroll_factor=1):  # trips: copies
-            magnitude, ok = _scale_magnitude(
-                tl.load((row_scales + _wide(copy) * copy_stride).to(tl.pointer_type(tl.float32)),
-                        mask=live_rows,
-                        other=0.0))
-            largest = tl.maximum(largest, tl.where(ok, magnitude, 0))
-            finite = finite & ok
+            largest, finite = _fold_scales(largest, finite, row_scales + _wide(copy) * copy_stride, live_rows)
         exponent = tl.where(finite, _binary_exponent(largest), 0) + summing
         v = tl.arange(0, VECS)
         row, column, live = _program_rows(v, row_magic, vectors, first, per_program, groups, ONE_STEP)
@@ -662,12 +660,7 @@ if triton is not None:
         largest = rows * 0
         finite = live_rows | ~live_rows
         for node in tl.range(0, num_nodes, loop_unroll_factor=1):  # trips: num_nodes
-            magnitude, ok = _scale_magnitude(
-                tl.load((row_scales + _wide(node) * slot_bytes).to(tl.pointer_type(tl.float32)),
-                        mask=live_rows,
-                        other=0.0))
-            largest = tl.maximum(largest, tl.where(ok, magnitude, 0))
-            finite = finite & ok
+            largest, finite = _fold_scales(largest, finite, row_scales + _wide(node) * slot_bytes, live_rows)
         if DTYPE != 0:
             # the scales brought near 1 by a power of two; the factor it leaves, over the world, in
             # units of 2**-24 (fp16: each scale over the world instead). Where the average could
