@@ -721,24 +721,16 @@ def fused_inputs(shapes, world, dtype, gen):
 
 
 def slot_mismatches(got, expected, fmt):
-    """Bytes of `got` that differ from `expected` (slots of `fmt`), leaving out the codes of groups
-    whose scale is NaN in both (nothing reads them) and NaN scales' payloads."""
-    got, expected = got.cpu(), expected.cpu()
-    scales_got, scales_expected = fmt.scales(got), fmt.scales(expected)
-    both_nan = torch.isnan(scales_got) & torch.isnan(scales_expected)
-    data = fmt.groups_per_partition * fmt.group_bytes
-    differ = (got != expected)
-    codes = differ[..., :data].view(*got.shape[:-1], -1, fmt.group_bytes) & ~both_nan.unsqueeze(-1)
-    scales = (scales_got.view(torch.int32) != scales_expected.view(torch.int32)) & ~both_nan
-    return int(codes.sum()) + int(scales.sum()) + int(differ[..., data + 4 * fmt.groups_per_partition:].sum())
+    """Values of `got` that differ from `expected` (slots of `fmt`), by the self-check's rule."""
+    from deepspeed.runtime.comm.quantized_fused_choice import slot_differences
+    return sum(difference[1] for difference in slot_differences(got, expected, fmt))
 
 
 def value_mismatches(got, expected):
-    """Values of `got` whose bits differ from `expected`'s (NaN payloads aside)."""
-    got, expected = got.cpu(), expected.cpu()
-    bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
-    same = (got.view(bits) == expected.view(bits)) | (torch.isnan(got) & torch.isnan(expected))
-    return int((~same).sum())
+    """Values of `got` whose bits differ from `expected`'s (NaN equal to NaN), by the self-check's rule."""
+    from deepspeed.runtime.comm.quantized_fused_choice import value_difference
+    difference = value_difference(got, expected)
+    return 0 if difference is None else difference[0]
 
 
 def fused(report, checked, device, dry_run):

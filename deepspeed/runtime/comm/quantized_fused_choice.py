@@ -115,22 +115,27 @@ def value_difference(got: torch.Tensor, expected: torch.Tensor) -> Optional[Tupl
             f"{int(_bits(expected)[first]) & mask:#0{width + 2}x}")
 
 
-def slot_difference(got: torch.Tensor, expected: torch.Tensor, fmt: SlotFormat):
-    """value_difference of two stacks of slots of `fmt` (int8, [..., slot_bytes]), reading the
-    scales as fp32 and leaving out the codes of groups whose scale is NaN in both."""
-    scales = value_difference(fmt.scales(got), fmt.scales(expected))
-    if scales is not None:
-        return ("scales", ) + scales
+def slot_differences(got: torch.Tensor, expected: torch.Tensor, fmt: SlotFormat) -> List[tuple]:
+    """(where, then value_difference's four) for each part of two stacks of slots of `fmt` (int8,
+    [..., slot_bytes]) that differs: the scales read as fp32, the codes (those of groups whose
+    scale is NaN in `expected`, which nothing reads, left out), the scale groups' tails."""
     nan = torch.isnan(fmt.scales(expected))
     data = fmt.groups_per_partition * fmt.group_bytes
     codes = [s[..., :data].reshape(*s.shape[:-1], fmt.groups_per_partition, fmt.group_bytes) for s in (got, expected)]
     codes = [torch.where(nan.unsqueeze(-1), 0, c) for c in codes]
-    found = value_difference(codes[0], codes[1])
-    if found is not None:
-        return ("codes", ) + found
     tail = data + 4 * fmt.groups_per_partition
-    found = value_difference(got[..., tail:], expected[..., tail:])
-    return None if found is None else ("the scale groups' tails", ) + found
+    parts = {
+        "scales": (fmt.scales(got), fmt.scales(expected)),
+        "codes": codes,
+        "the scale groups' tails": (got[..., tail:], expected[..., tail:]),
+    }
+    found = ((where, value_difference(*pair)) for where, pair in parts.items())
+    return [(where, ) + difference for where, difference in found if difference is not None]
+
+
+def slot_difference(got: torch.Tensor, expected: torch.Tensor, fmt: SlotFormat):
+    """The first of slot_differences, or None where the slots agree."""
+    return next(iter(slot_differences(got, expected, fmt)), None)
 
 
 # --------------------------------------------------------------------------------------------------
