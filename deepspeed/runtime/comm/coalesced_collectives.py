@@ -190,7 +190,8 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
         num_nodes, local_world_size, local_group, global_group = _quantized_topology(groups)
         plan = quantized_reduce_plan(tuple(tensors[i].numel() for i in quantized), num_nodes, local_world_size,
                                      group_size, intra_node_bits)
-        quantizer = _get_quantizer_module()
+        # DeepSpeed's kernels: the default path's, and "auto"'s timing of it; `true` never loads them
+        quantizer = None if fused is True else _get_quantizer_module()
         first_run = [tensors[i] for i in quantized[:len(plan[0][1].tensors)]]
         stages = pipeline_stages(quantizer, choose_fused(fused, first_run, plan[0][1], quantizer))
 

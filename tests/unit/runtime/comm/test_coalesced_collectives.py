@@ -7,6 +7,7 @@ unit tests for coalesced collectives
 """
 
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -273,6 +274,21 @@ class FusedKernelTests:
                             for p in check_against_average(inputs, results[True], rank, exact, rms_bound=RMS_BOUND)
                         ]
         assert_no_problems(problems)
+
+    def test_fused_true_loads_no_quantizer_op(self):
+        """fused=True runs none of DeepSpeed's kernels, so it never loads (on CUDA: builds) their op."""
+        from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason
+        reason = fused_unavailable_reason(torch.device(device()).type)
+        if reason is not None:
+            pytest.skip(f"fused kernels: {reason}")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        inputs = cluster_inputs([(33, 17), (40, 30)], world, torch.bfloat16, 11)
+        unloadable = AssertionError("fused=True asked for DeepSpeed's quantizer op")
+        with simulated_nodes(self.local_size) as groups, mock.patch.object(coalesced_collectives,
+                                                                           "_get_quantizer_module",
+                                                                           side_effect=unloadable):
+            outputs = all_to_all_quant_reduce([t.to(device()) for t in inputs[rank]], groups, fused=True)
+        assert_no_problems(check_against_average(inputs, outputs, rank))
 
 
 class NPUQuantizerTests:
