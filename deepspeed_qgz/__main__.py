@@ -14,7 +14,8 @@ from pathlib import Path
 
 from . import DISABLE_ENV, LINKED_DIRS, __version__, installed_path, source_path
 from ._finder import TREE, overlay_state
-from .upstream_edits import apply_edits, edited_paths
+from .replaced_modules import KNOWN, ReplacementError, replace_module
+from .upstream_edits import EditError, apply_edits, edited_paths
 
 
 def _upstream_root():
@@ -119,25 +120,41 @@ def status(_args):
 
 def _patch(root, deepspeed_tree=None):
     """(DeepSpeed source-tree path, upstream text or None, patched text) for every file the patch
-    adds, replaces or edits: against the installed DeepSpeed, and with `deepspeed_tree` (a
-    DeepSpeed git checkout) also the documentation and the tests, which only its tree has."""
+    adds, replaces or edits: against the installed DeepSpeed or, with `deepspeed_tree` (a DeepSpeed
+    git checkout), against that tree's files, and then also its documentation and tests, which only
+    its tree has. A replaced module keeps the tree's definitions the patch does not replace
+    (replaced_modules.py).
+
+    Raises:
+        EditError: the upstream files are not what the edits and replacements were written for.
+    """
+
+    def upstream(path, edited=False):
+        file = deepspeed_tree / path if deepspeed_tree is not None else root / installed_path(path)
+        if edited and not file.exists():
+            raise EditError(f"deepspeed-qgz: {file}, which the patch edits, does not exist")
+        return file.read_text() if file.exists() else None
+
     for installed, overlay in _overlay_files():
-        upstream = root / installed
-        yield source_path(installed), upstream.read_text() if upstream.exists() else None, overlay.read_text()
+        path, ours = source_path(installed), overlay.read_text()
+        text = upstream(path)
+        if text is not None and path not in KNOWN:
+            raise ReplacementError(f"deepspeed-qgz: {path}, which the patch adds, is already in "
+                                   f"{deepspeed_tree or root}: the patch has no record of what to keep of it")
+        yield path, text, ours if text is None else replace_module(path, text, ours)
     for path in edited_paths():
-        text = (root / installed_path(path)).read_text()
+        text = upstream(path, edited=True)
         yield path, text, apply_edits(path, text)
     if deepspeed_tree is None:
         return
     tests = dict(_test_files())
     for path in edited_paths(in_package=False):
         if path not in tests:
-            text = (deepspeed_tree / path).read_text()
+            text = upstream(path, edited=True)
             yield path, text, apply_edits(path, text)
     for path, ours in tests.items():
-        upstream = deepspeed_tree / path
-        if upstream.exists():  # DeepSpeed's test module, edited, then extended by ours
-            text = upstream.read_text()
+        text = upstream(path)
+        if text is not None:  # DeepSpeed's test module, edited, then extended by ours
             yield path, text, extend_module(apply_edits(path, text), ours.read_text())
         else:
             yield path, None, ours.read_text()
@@ -157,7 +174,12 @@ def diff(args):
             "deepspeed_qgz diff: without --deepspeed-tree, the hunks of the documentation and the tests "
             "(which only DeepSpeed's git tree has) are left out",
             file=sys.stderr)
-    for path, old, new in _patch(root, tree):
+    try:
+        hunks = list(_patch(root, tree))
+    except EditError as error:
+        print(error, file=sys.stderr)
+        return 1
+    for path, old, new in hunks:
         paths = [path]
         if args.sdist and installed_path(path) != path:
             paths.append(installed_path(path))  # the source distribution's copy of a linked directory
@@ -191,7 +213,8 @@ def main(argv=None):
                              ", ".join(dict(LINKED_DIRS)) + " (symbolic links in its git tree)")
     diff_parser.add_argument("--deepspeed-tree",
                              metavar="PATH",
-                             help="a DeepSpeed git checkout: also the hunks of its documentation and tests")
+                             help="a DeepSpeed git checkout: the hunks against its files, and also those of its "
+                             "documentation and tests")
     diff_parser.set_defaults(run=diff)
     args = parser.parse_args(argv)
     return args.run(args)

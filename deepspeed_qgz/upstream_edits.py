@@ -21,6 +21,9 @@ class Edit:
     new: str
     count: int = 1  # occurrences of `old` expected (all are replaced)
     when: str = ""  # if set, the edit applies only to a file holding this text (some supported trees lack it)
+    # (old, new) pairs: the same change where a supported tree has `old` in another form; exactly one
+    # form may occur in a file, `count` times
+    variants: Tuple[Tuple[str, str], ...] = ()
 
     @property
     def in_package(self) -> bool:
@@ -36,6 +39,78 @@ TREE_ONLY = ("docs/", "tests/", "requirements/")
 class EditError(RuntimeError):
     pass
 
+
+def _stage3_arguments(indent: str) -> str:
+    """Stage 3's arguments to all_to_all_quant_reduce, one per line at `indent`, unclosed."""
+    return ",\n".join(indent + argument for argument in (
+        "full_grads_for_rank",
+        "self.all2all_process_group",
+        "group_size=self.zero_quantized_gradients_group_size",
+        "intra_node_bits=self.zero_quantized_gradients_intra_node_bits",
+        "fused=self.zero_quantized_gradients_fused",
+    ))
+
+
+_LOCO_CHOICE = " " * 40 + "if self.zeropp_loco_param is not None else all_to_all_quant_reduce(\n"
+
+# ZeRO's config field the new keys follow, and those keys; trees from before LoCo's removal (DeepSpeed
+# PR #8534) have LoCo's field right after it, without a blank line
+_GRADIENTS_FIELD = ('    zero_quantized_gradients: bool = False\n'
+                    '    """\n'
+                    '    Boolean indicating whether to use quantized zero gradients\n'
+                    '    for efficient all_2_all_reduce comm\n'
+                    '    """\n')
+_NEW_GRADIENTS_FIELDS = (
+    '\n'
+    '    zero_quantized_gradients_group_size: int = 136\n'
+    '    """\n'
+    '    Largest quantization group of the quantized gradients (zero_quantized_gradients),\n'
+    '    in values: a multiple of 8 from 136 to 40960. Smaller groups follow the\n'
+    '    gradients more closely and send more scale bytes (4 per group).\n'
+    '    """\n'
+    '\n'
+    '    zero_quantized_gradients_intra_node_bits: int = 8\n'
+    '    """\n'
+    '    Precision of the quantized gradients (zero_quantized_gradients) exchanged\n'
+    '    between the ranks of a node: 8 or 4 bits. Between nodes they are always\n'
+    '    4 bits.\n'
+    '    """\n'
+    '\n'
+    '    @field_validator("zero_quantized_gradients_group_size")\n'
+    '    @classmethod\n'
+    '    def quantized_gradients_group_size_valid(cls, value):\n'
+    '        from deepspeed.runtime.comm.quantized_layout import resolve_group_size\n'
+    '        return resolve_group_size(value, "zero_quantized_gradients_group_size")\n'
+    '\n'
+    '    @field_validator("zero_quantized_gradients_intra_node_bits")\n'
+    '    @classmethod\n'
+    '    def quantized_gradients_intra_node_bits_valid(cls, value):\n'
+    '        from deepspeed.runtime.comm.quantized_layout import resolve_intra_node_bits\n'
+    '        return resolve_intra_node_bits(value, "zero_quantized_gradients_intra_node_bits")\n'
+    '\n'
+    '    zero_quantized_gradients_fused: Union[bool, str] = "auto"\n'
+    '    """\n'
+    '    Run the quantized gradients\' (zero_quantized_gradients) three stages as fused\n'
+    '    Triton kernels, one launch each, with the same results bit for bit as\n'
+    '    DeepSpeed\'s quantizer kernels: true, false, or "auto", where each GPU checks\n'
+    '    the fused kernels\' bits against the reference at the first call and uses them\n'
+    '    where they match and are faster (every rank agreeing). true needs Triton and a\n'
+    '    CUDA accelerator.\n'
+    '    """\n'
+    '\n'
+    '    @field_validator("zero_quantized_gradients_fused", mode="before")\n'
+    '    @classmethod\n'
+    '    def quantized_gradients_fused_valid(cls, value):\n'
+    '        from deepspeed.runtime.comm.quantized_fused_choice import resolve_fused\n'
+    '        value = resolve_fused(value, "zero_quantized_gradients_fused")\n'
+    '        if value is True:\n'
+    '            from deepspeed.accelerator import get_accelerator\n'
+    '            from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason\n'
+    '            reason = fused_unavailable_reason(get_accelerator().device_name())\n'
+    '            if reason is not None:\n'
+    '                raise ValueError(f"zero_quantized_gradients_fused true cannot run here: {reason}")\n'
+    '        return value\n')
+_LOCO_FIELD = "    zeropp_loco_param: Optional[Dict[str, Any]] = None\n"
 
 EDITS: Tuple[Edit, ...] = (
     # The CPU accelerator's op registry hands out the CPU quantizer for "QuantizerBuilder", so that
@@ -57,7 +132,11 @@ EDITS: Tuple[Edit, ...] = (
     # ZeRO config keys for the quantized gradient reduce-scatter: the model validates them (the
     # rules live in deepspeed/runtime/comm/quantized_layout.py), the engine hands them to stage 3,
     # stage 3 to all_to_all_quant_reduce.
-    Edit("deepspeed/runtime/zero/config.py", "from typing import Optional\n", "from typing import Optional, Union\n"),
+    # (DeepSpeed's tree from before 0.19.8, edaa722, imports two more names from typing)
+    Edit("deepspeed/runtime/zero/config.py",
+         "from typing import Optional\n",
+         "from typing import Optional, Union\n",
+         variants=(("from typing import Optional, Dict, Any\n", "from typing import Optional, Dict, Any, Union\n"), )),
     Edit("deepspeed/runtime/zero/config.py", "from pydantic import Field, model_validator\n",
          "from pydantic import Field, field_validator, model_validator\n"),
     Edit(
@@ -66,65 +145,10 @@ EDITS: Tuple[Edit, ...] = (
         '    "zero_quantized_gradients_group_size": 136,\n'
         '    "zero_quantized_gradients_intra_node_bits": [4|8],\n'
         '    "zero_quantized_gradients_fused": [true|false|"auto"],\n'),
-    Edit(
-        "deepspeed/runtime/zero/config.py", '    zero_quantized_gradients: bool = False\n'
-        '    """\n'
-        '    Boolean indicating whether to use quantized zero gradients\n'
-        '    for efficient all_2_all_reduce comm\n'
-        '    """\n', '    zero_quantized_gradients: bool = False\n'
-        '    """\n'
-        '    Boolean indicating whether to use quantized zero gradients\n'
-        '    for efficient all_2_all_reduce comm\n'
-        '    """\n'
-        '\n'
-        '    zero_quantized_gradients_group_size: int = 136\n'
-        '    """\n'
-        '    Largest quantization group of the quantized gradients (zero_quantized_gradients),\n'
-        '    in values: a multiple of 8 from 136 to 40960. Smaller groups follow the\n'
-        '    gradients more closely and send more scale bytes (4 per group).\n'
-        '    """\n'
-        '\n'
-        '    zero_quantized_gradients_intra_node_bits: int = 8\n'
-        '    """\n'
-        '    Precision of the quantized gradients (zero_quantized_gradients) exchanged\n'
-        '    between the ranks of a node: 8 or 4 bits. Between nodes they are always\n'
-        '    4 bits.\n'
-        '    """\n'
-        '\n'
-        '    @field_validator("zero_quantized_gradients_group_size")\n'
-        '    @classmethod\n'
-        '    def quantized_gradients_group_size_valid(cls, value):\n'
-        '        from deepspeed.runtime.comm.quantized_layout import resolve_group_size\n'
-        '        return resolve_group_size(value, "zero_quantized_gradients_group_size")\n'
-        '\n'
-        '    @field_validator("zero_quantized_gradients_intra_node_bits")\n'
-        '    @classmethod\n'
-        '    def quantized_gradients_intra_node_bits_valid(cls, value):\n'
-        '        from deepspeed.runtime.comm.quantized_layout import resolve_intra_node_bits\n'
-        '        return resolve_intra_node_bits(value, "zero_quantized_gradients_intra_node_bits")\n'
-        '\n'
-        '    zero_quantized_gradients_fused: Union[bool, str] = "auto"\n'
-        '    """\n'
-        '    Run the quantized gradients\' (zero_quantized_gradients) three stages as fused\n'
-        '    Triton kernels, one launch each, with the same results bit for bit as\n'
-        '    DeepSpeed\'s quantizer kernels: true, false, or "auto", where each GPU checks\n'
-        '    the fused kernels\' bits against the reference at the first call and uses them\n'
-        '    where they match and are faster (every rank agreeing). true needs Triton and a\n'
-        '    CUDA accelerator.\n'
-        '    """\n'
-        '\n'
-        '    @field_validator("zero_quantized_gradients_fused", mode="before")\n'
-        '    @classmethod\n'
-        '    def quantized_gradients_fused_valid(cls, value):\n'
-        '        from deepspeed.runtime.comm.quantized_fused_choice import resolve_fused\n'
-        '        value = resolve_fused(value, "zero_quantized_gradients_fused")\n'
-        '        if value is True:\n'
-        '            from deepspeed.accelerator import get_accelerator\n'
-        '            from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason\n'
-        '            reason = fused_unavailable_reason(get_accelerator().device_name())\n'
-        '            if reason is not None:\n'
-        '                raise ValueError(f"zero_quantized_gradients_fused true cannot run here: {reason}")\n'
-        '        return value\n'),
+    Edit("deepspeed/runtime/zero/config.py",
+         _GRADIENTS_FIELD + "\n",
+         _GRADIENTS_FIELD + _NEW_GRADIENTS_FIELDS + "\n",
+         variants=((_GRADIENTS_FIELD + _LOCO_FIELD, _GRADIENTS_FIELD + _NEW_GRADIENTS_FIELDS + "\n" + _LOCO_FIELD), )),
     Edit(
         "deepspeed/runtime/engine.py",
         "                    log_trace_cache_warnings=self.zero_log_trace_cache_warnings(),\n"
@@ -163,12 +187,10 @@ EDITS: Tuple[Edit, ...] = (
     Edit(
         "deepspeed/runtime/zero/stage3.py",
         "            grad_partitions_for_rank = all_to_all_quant_reduce(full_grads_for_rank, self.all2all_process_group)\n",
-        "            grad_partitions_for_rank = all_to_all_quant_reduce(\n"
-        "                full_grads_for_rank,\n"
-        "                self.all2all_process_group,\n"
-        "                group_size=self.zero_quantized_gradients_group_size,\n"
-        "                intra_node_bits=self.zero_quantized_gradients_intra_node_bits,\n"
-        "                fused=self.zero_quantized_gradients_fused)\n"),
+        "            grad_partitions_for_rank = all_to_all_quant_reduce(\n" + _stage3_arguments(" " * 16) + ")\n",
+        # trees from before LoCo's removal (DeepSpeed PR #8534) choose between LoCo and qgZ here
+        variants=((_LOCO_CHOICE + " " * 44 + "full_grads_for_rank, self.all2all_process_group))\n",
+                   _LOCO_CHOICE + _stage3_arguments(" " * 44) + "))\n"), )),
     Edit(
         "docs/_pages/config-json.md", '    "zero_quantized_gradients": [true|false],\n',
         '    "zero_quantized_gradients": [true|false],\n'
@@ -233,17 +255,23 @@ def edited_paths(in_package: bool = True) -> Tuple[str, ...]:
 
 def apply_edits(path: str, text: str) -> str:
     """`text` (the upstream file at source-tree `path`) with the patch's edits applied; an edit
-    with `when` only where `text` holds that text.
+    with `when` only where `text` holds that text; an edit with variants in the one form `text` has.
 
     Raises:
-        EditError: an edit's text occurs a different number of times than expected.
+        EditError: an edit's text occurs a different number of times than expected, or more than
+            one of its forms occurs.
     """
     for edit in EDITS:
         if edit.path != path or (edit.when and edit.when not in text):
             continue
-        found = text.count(edit.old)
-        if found != edit.count:
-            raise EditError(f"deepspeed-qgz: expected {edit.count} occurrence(s) of {edit.old!r} in {path}, "
-                            f"found {found}; this DeepSpeed release differs from the patched one")
-        text = text.replace(edit.old, edit.new)
+        forms = ((edit.old, edit.new), ) + edit.variants
+        found = [text.count(old) for old, _ in forms]
+        present = [form for form, times in zip(forms, found) if times]
+        if len(present) != 1 or text.count(present[0][0]) != edit.count:
+            counts = "; ".join(f"{old!r} found {times}" for (old, _), times in zip(forms, found))
+            raise EditError(f"deepspeed-qgz: expected {edit.count} occurrence(s) of "
+                            f"{'one of ' if edit.variants else ''}{counts} in {path}; "
+                            "this DeepSpeed release differs from the patched ones")
+        old, new = present[0]
+        text = text.replace(old, new)
     return text

@@ -2,13 +2,16 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""`python -m deepspeed_qgz diff --deepspeed-tree` on small DeepSpeed trees written here, one with
-DeepSpeed's LoCo test (trees before its removal, DeepSpeed PR #8534) and one without (after it):
-the hunks of those trees' files apply to both with git apply, and the edit that makes the LoCo test skip on the CPU
-quantizer is there only where that test is."""
+"""`python -m deepspeed_qgz diff --deepspeed-tree` on small DeepSpeed trees written here: the files
+the patch edits and replaces are the installed DeepSpeed 0.19.8's (after LoCo's removal, DeepSpeed PR
+#8534), or those in the forms of the trees from before it (edaa722: LoCo's collective, its stage 3
+call and its test); the whole patch applies to both with git apply, keeps the tree's LoCo collective
+where it is, and refuses a tree whose versions of the replaced definitions it was not written from."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,7 @@ from qgz_harness import overlay_active
 
 pytestmark = pytest.mark.skipif(not overlay_active(), reason="DeepSpeed is patched in-tree: no overlay installed")
 
+ROOT = Path(__file__).resolve().parents[1]
 TEST_MODULE = "tests/unit/runtime/comm/test_coalesced_collectives.py"
 HEAD = '''# Copyright (c) Microsoft Corporation.
 # SPDX-License-Identifier: Apache-2.0
@@ -51,14 +55,60 @@ DOCS = '''    "zero_quantized_gradients": [true|false],
 |Boolean indicating whether to enable communication efficient quantized gradients of ZeRO++. | `False`   |
 '''
 
+COLLECTIVES = "deepspeed/runtime/comm/coalesced_collectives.py"
+# A LoCo collective as the trees before PR #8534 have one beside all_to_all_quant_reduce: it uses
+# typing's Any, the quantizer op global and reduce_scatter_coalesced (written for this test)
+LOCO_COLLECTIVE = """
 
-def tree(path, with_loco):
-    files = {
+@torch.no_grad()
+def all_to_all_loco_quant_reduce(params: List[Tensor], groups: {}, loco_param: Any = None) -> List[Tensor]:
+    global quantizer_module
+    return [reduce_scatter_coalesced([p.grad])[0] for p in params]
+"""
+# the pre-#8534 forms of the text the edits change (edaa722's)
+BEFORE_8534 = {
+    "deepspeed/runtime/zero/config.py":
+    [("from typing import Optional\n", "from typing import Optional, Dict, Any\n"),
+     ('    for efficient all_2_all_reduce comm\n    """\n\n', '    for efficient all_2_all_reduce comm\n    """\n'
+      '    zeropp_loco_param: Optional[Dict[str, Any]] = None\n'
+      '    """\n    LoCo\'s parameters\n    """\n\n')],
+    "deepspeed/runtime/zero/stage3.py":
+    [("            grad_partitions_for_rank = all_to_all_quant_reduce(full_grads_for_rank, self.all2all_process_group)\n",
+      "            grad_partitions_for_rank = (all_to_all_loco_quant_reduce(params_to_reduce, self.all2all_process_group,\n"
+      "                                                                     self.zeropp_loco_param)\n"
+      "                                        if self.zeropp_loco_param is not None else all_to_all_quant_reduce(\n"
+      "                                            full_grads_for_rank, self.all2all_process_group))\n")],
+    COLLECTIVES: [("from typing import List\n", "from typing import List, Any\n"),
+                  ("\n\n@instrument_w_nvtx\n@torch.no_grad()\ndef reduce_scatter_coalesced(",
+                   LOCO_COLLECTIVE + "\n\n@instrument_w_nvtx\n@torch.no_grad()\ndef reduce_scatter_coalesced(")],
+}
+
+
+def installed(path):
+    """The installed DeepSpeed's file at source-tree `path` (upstream's: the overlay changes none)."""
+    from deepspeed_qgz import installed_path
+    from deepspeed_qgz.__main__ import _upstream_root
+    return (_upstream_root() / installed_path(path)).read_text()
+
+
+def tree(path, with_loco, changes=()):
+    """A DeepSpeed tree with the installed DeepSpeed's files the patch edits and replaces, in the
+    pre-#8534 forms `with_loco`, and each (path, old, new) of `changes` made."""
+    from deepspeed_qgz.upstream_edits import edited_paths
+    files = {name: installed(name) for name in edited_paths() + (COLLECTIVES, )}
+    files.update({
         "tests/unit/common.py": "class DistributedTest:\n    pass\n",
         TEST_MODULE: HEAD + (LOCO if with_loco else ""),
         "docs/_pages/config-json.md": DOCS,
         "requirements/requirements-dev.txt": "future\nimportlib-metadata>=4\n",
-    }
+    })
+    for name, old, new in [(name, old, new) for name, forms in BEFORE_8534.items()
+                           for old, new in forms] if with_loco else []:
+        assert files[name].count(old) == 1, (name, old)
+        files[name] = files[name].replace(old, new)
+    for name, old, new in changes:
+        assert files[name].count(old) == 1, (name, old)
+        files[name] = files[name].replace(old, new)
     for name, text in files.items():
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_text(text)
@@ -66,26 +116,87 @@ def tree(path, with_loco):
     return path
 
 
-@pytest.mark.parametrize("with_loco", [True, False], ids=["with the LoCo test", "without it"])
+def diff(root):
+    return subprocess.run([sys.executable, "-m", "deepspeed_qgz", "diff", "--deepspeed-tree",
+                           str(root)],
+                          capture_output=True,
+                          text=True)
+
+
+@pytest.mark.parametrize("with_loco", [True, False], ids=["with LoCo", "without it"])
 def test_the_patch_applies_to_the_tree(tmp_path, with_loco):
     root = tree(tmp_path / "DeepSpeed", with_loco)
-    patch = subprocess.run([sys.executable, "-m", "deepspeed_qgz", "diff", "--deepspeed-tree",
-                            str(root)],
-                           capture_output=True,
-                           text=True,
-                           check=True).stdout
-    (tmp_path / "qgz.patch").write_text(patch)
-    # the hunks of what only DeepSpeed's tree has (the small tree has none of its package's files)
-    subprocess.run([
-        "git", "apply", "--whitespace=error-all", "--include=tests/*", "--include=docs/*", "--include=requirements/*",
-        str(tmp_path / "qgz.patch")
-    ],
-                   cwd=root,
-                   check=True)
+    made = diff(root)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "qgz.patch").write_text(made.stdout)
+    subprocess.run(["git", "apply", "--whitespace=error-all", str(tmp_path / "qgz.patch")], cwd=root, check=True)
     module = (root / TEST_MODULE).read_text()
     assert ("this accelerator's quantizer op has no LoCo kernels" in module) == with_loco
     assert "class TestQuantizedReduceScatter3Nodes2Ranks" in module  # the patch's own tests follow DeepSpeed's
     assert module.startswith(HEAD.split("import torch")[0])
+    collectives = (root / COLLECTIVES).read_text()
+    import deepspeed.runtime.comm.coalesced_collectives as ours
+    ours = open(ours.__file__).read()
+    stage3 = (root / "deepspeed/runtime/zero/stage3.py").read_text()
+    assert "fused=self.zero_quantized_gradients_fused" + ("))" if with_loco else ")") + "\n" in stage3
+    if not with_loco:  # what the overlay imports in place of this release's module
+        assert collectives == ours
+        return
+    # the tree's LoCo collective kept, after all_to_all_quant_reduce, with the import it needs
+    assert LOCO_COLLECTIVE in collectives
+    assert collectives.replace(LOCO_COLLECTIVE, "").replace("from typing import Any, Dict", "from typing import Dict") \
+        == ours
+    assert collectives.index("def all_to_all_quant_reduce(") < collectives.index("def all_to_all_loco_quant_reduce(") \
+        < collectives.index("def reduce_scatter_coalesced(")
+    compile(collectives, COLLECTIVES, "exec")
+
+
+@pytest.mark.parametrize("with_loco", [True, False], ids=["with LoCo", "without it"])
+def test_the_patched_files_pass_deepspeeds_formatters(tmp_path, with_loco):
+    root = tree(tmp_path / "DeepSpeed", with_loco)
+    (tmp_path / "qgz.patch").write_text(diff(root).stdout)
+    subprocess.run(["git", "apply", str(tmp_path / "qgz.patch")], cwd=root, check=True)
+    from deepspeed_qgz.upstream_edits import edited_paths
+    files = [str(root / path) for path in edited_paths() + (COLLECTIVES, )]
+    for check in (["yapf", "--style", str(ROOT / ".style.yapf"),
+                   "--diff"], ["flake8", "--config", str(ROOT / ".flake8")]):
+        found = subprocess.run([sys.executable, "-m"] + check + files, capture_output=True, text=True)
+        assert found.returncode == 0, found.stdout + found.stderr
+
+
+def test_a_replaced_definition_changed_upstream_is_refused(tmp_path):
+    changed = (COLLECTIVES, "    group: ProcessGroup = None,\n",
+               "    group: ProcessGroup = None,\n    fp32_comm=False,\n")
+    made = diff(tree(tmp_path / "DeepSpeed", False, [changed]))
+    assert made.returncode == 1 and made.stdout == ""
+    assert re.search(
+        r"coalesced_collectives.py: this tree's reduce_scatter_coalesced \(line \d+, digest [0-9a-f]{12}\) is none "
+        r"of the versions the patch replaces \(known: d49fb6b733d0 \(0.19.8, edaa722, 17b3b557\)\)", made.stderr), \
+        made.stderr
+
+
+def test_a_file_the_patch_adds_already_upstream_is_refused(tmp_path):
+    root = tree(tmp_path / "DeepSpeed", False)
+    (root / "deepspeed/runtime/comm/quantized_layout.py").write_text("# upstream's own\n")
+    made = diff(root)
+    assert made.returncode == 1 and "quantized_layout.py, which the patch adds, is already in" in made.stderr
+
+
+def test_an_edit_finds_one_form_or_fails_loudly():
+    from deepspeed_qgz.upstream_edits import EditError, apply_edits
+    config = installed("deepspeed/runtime/zero/config.py")
+    both = config.replace("from typing import Optional\n",
+                          "from typing import Optional\nfrom typing import Optional, Dict, Any\n")
+    with pytest.raises(EditError, match="expected 1 occurrence.*of one of 'from typing import Optional"):
+        apply_edits("deepspeed/runtime/zero/config.py", both)
+    assert "from typing import Optional, Union\n" in apply_edits("deepspeed/runtime/zero/config.py", config)
+
+
+def test_the_supported_release_has_npu_quantizer():
+    """DeepSpeed 0.19.8 has NPUQuantizer, so the collective's tests with it run in CI (they skip on
+    trees without it, edaa722)."""
+    import importlib.util
+    assert importlib.util.find_spec("deepspeed.ops.op_builder.npu.quantizer") is not None
 
 
 def test_a_loco_test_whose_text_moved_fails_loudly():

@@ -22,14 +22,8 @@ python -m deepspeed_qgz diff --sdist > "$WORK/qgz.patch"
 say "in-tree: git apply ($(grep -c '^+++ ' "$WORK/qgz.patch") files)"
 git -C "$WORK/patched/deepspeed-0.19.8" apply --whitespace=error-all "$WORK/qgz.patch"
 deactivate
-say "in-tree: a fresh environment with torch 2.13.0 (CPU) and the patched DeepSpeed"
-python3 -m venv "$WORK/venv"
-# shellcheck disable=SC1091
-source "$WORK/venv/bin/activate"
-CONSTRAINTS="$ROOT/requirements/constraints-cpu.txt"
-pip install -q -c "$CONSTRAINTS" torch==2.13.0
-pip install -q -c "$CONSTRAINTS" "$WORK/patched/deepspeed-0.19.8"
-pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements-dev.txt" ninja
+source "$ROOT/scripts/patched_env.sh"
+patched_deepspeed_env "$WORK/patched/deepspeed-0.19.8" "$WORK/venv"
 DS_QGZ_TOOLS_ONLY=1 pip install -q --no-deps "$ROOT"
 say "in-tree: op builds (the CPU quantizer op; DeepSpeed's CPU Adam and shared-memory ops beside it)"
 start_deepspeed_ops_build

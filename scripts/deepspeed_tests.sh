@@ -3,11 +3,13 @@
 # DeepSpeed (the overlay, or a DeepSpeed patched in-tree) on the CPU accelerator, run as DeepSpeed
 # runs its CPU tests: LOCAL_SIZE in the environment at least the largest world size (10).
 #   bash scripts/deepspeed_tests.sh [--deepspeed-tree PATH] [pytest arguments]
-# With --deepspeed-tree PATH (a DeepSpeed git checkout): a copy of its tests/ with the patch's test
-# hunks applied by git apply, run with DeepSpeed's own conftest.py, pytest.ini and unit/common.py;
-# DeepSpeed's own tests of the module run beside the new ones. Without: the repository's tests/
-# beside a stand-in for DeepSpeed's DistributedTest (project_tests/deepspeed_tests_stand_in),
-# which is how CI runs them (DeepSpeed's source distribution ships no tests).
+# With --deepspeed-tree PATH (a DeepSpeed git checkout): a copy of the tree with the whole patch
+# (`python -m deepspeed_qgz diff --deepspeed-tree PATH`, made against that tree's files) applied by
+# git apply and installed as DeepSpeed installs into a fresh environment (scripts/patched_env.sh),
+# its tests run there with DeepSpeed's own conftest.py, pytest.ini and unit/common.py; DeepSpeed's
+# own tests of the module run beside the new ones. Without: the repository's tests/ beside a
+# stand-in for DeepSpeed's DistributedTest (project_tests/deepspeed_tests_stand_in), against the
+# installed DeepSpeed, which is how CI runs them (DeepSpeed's source distribution ships no tests).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TREE=
@@ -19,10 +21,18 @@ say() { echo "[$(date +%H:%M:%S)] $*"; }
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 if [ -n "$TREE" ]; then
-    say "DeepSpeed tests: $TREE/tests with the patch's test hunks"
-    cp -r "$TREE/tests" "$WORK/tests"
+    say "DeepSpeed tests: a copy of $TREE with the patch applied"
     python -m deepspeed_qgz diff --deepspeed-tree "$TREE" > "$WORK/qgz.patch"
-    (cd "$WORK" && git apply --include='tests/*' --whitespace=error-all qgz.patch)
+    mkdir "$WORK/tree"
+    (cd "$TREE" && tar -c --exclude=./.git .) | tar -x -C "$WORK/tree"
+    git -C "$WORK/tree" init -q
+    git -C "$WORK/tree" apply --whitespace=error-all "$WORK/qgz.patch"
+    say "DeepSpeed tests: git apply: $(grep -c '^+++ ' "$WORK/qgz.patch") files"
+    source "$ROOT/scripts/patched_env.sh"
+    patched_deepspeed_env "$WORK/tree" "$WORK/venv"
+    # the patched tree's ops build apart from any other DeepSpeed's (the same op names)
+    export TORCH_EXTENSIONS_DIR="$WORK/torch_extensions"
+    ln -s tree/tests "$WORK/tests"
     mapfile -t FILES < <(grep '^+++ b/tests/.*/test_[^/]*\.py$' "$WORK/qgz.patch" | sed 's|^+++ b/tests/||')
 else
     say "DeepSpeed tests: this repository's tests/ with a stand-in for DeepSpeed's DistributedTest"

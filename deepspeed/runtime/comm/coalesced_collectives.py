@@ -19,7 +19,7 @@ from deepspeed.comm import ProcessGroup, all_to_all_single
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import instrument_w_nvtx
 from deepspeed.ops import op_builder
-from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer, checked
+from deepspeed.ops.quantizer.qgz_contract import checked
 from deepspeed.utils import logger
 from deepspeed.runtime.comm.quantized_fused_choice import choose_fused, resolve_fused
 from deepspeed.runtime.comm.quantized_layout import resolve_group_size, resolve_intra_node_bits
@@ -33,7 +33,8 @@ def _torch_reduce_scatter_fn(input_tensor: Tensor, output_tensor: Tensor, group=
 
 # The loaded quantizer op, cached on first use. A caller may set it (DeepSpeed's own tests set the
 # pure-PyTorch NPUQuantizer); whatever is set here is what all_to_all_quant_reduce uses, behind the
-# contract checks.
+# contract checks. It holds the op itself, as upstream's does, for the other users of this global
+# (LoCo's all_to_all_loco_quant_reduce, in trees that have it, calls its LoCo kernels).
 quantizer_module = None
 
 # The kernels read fp16; gradients in the other dtypes are brought into fp16 range group by group
@@ -46,7 +47,7 @@ def _get_quantizer_module():
     accelerator), loaded once, or the op a caller set, behind the kernel-contract checks."""
     global quantizer_module
     if quantizer_module is None:
-        quantizer_module = ContractCheckedQuantizer(op_builder.QuantizerBuilder().load())
+        quantizer_module = op_builder.QuantizerBuilder().load()
     return checked(quantizer_module)
 
 

@@ -5,6 +5,7 @@
 """The CPU quantizer is a first-class DeepSpeed op on the CPU accelerator: the registry hands it
 out, __compatible_ops__ and ds_report list it."""
 
+import importlib
 import subprocess
 import sys
 import tempfile
@@ -12,9 +13,20 @@ import tempfile
 import pytest
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder as CPUQuantizerBuilder
 
 pytestmark = pytest.mark.skipif(get_accelerator().device_name() != "cpu", reason="the CPU accelerator's registry")
+
+
+def op_builder(module):
+    """A module of the op builder package the accelerator uses: deepspeed.ops.op_builder where
+    DeepSpeed is installed, the checkout's op_builder where DeepSpeed's conftest.py puts the checkout
+    first on sys.path (the same files, imported under a second name)."""
+    package = get_accelerator().op_builder_dir().rsplit(".", 1)[0]
+    return importlib.import_module(f"{package}.{module}")
+
+
+CPUQuantizerBuilder = op_builder(
+    "cpu.quantizer").QuantizerBuilder if get_accelerator().device_name() == "cpu" else None
 
 
 def run(args):
@@ -46,8 +58,7 @@ def test_compatible_ops_and_ds_report_list_it():
 def test_cpu_and_cuda_ops_never_share_a_cache_entry():
     """OpBuilder caches loaded ops by name across builder classes: the CPU op's own name keeps a
     process that loads both builders from mixing them."""
-    from deepspeed.ops.op_builder.builder import OpBuilder
-    from deepspeed.ops.op_builder.quantizer import QuantizerBuilder as CUDAQuantizerBuilder
+    OpBuilder, CUDAQuantizerBuilder = op_builder("builder").OpBuilder, op_builder("quantizer").QuantizerBuilder
     assert CUDAQuantizerBuilder.NAME == "quantizer" != CPUQuantizerBuilder.NAME
     first, second = CPUQuantizerBuilder().load(), get_accelerator().create_op_builder("QuantizerBuilder").load()
     assert first is second is OpBuilder._loaded_ops["quantizer_cpu"]

@@ -6,6 +6,7 @@
 unit tests for coalesced collectives
 """
 
+import importlib.util
 import re
 from unittest import mock
 
@@ -299,6 +300,8 @@ class NPUQuantizerTests:
 
     @pytest.mark.parametrize("intra_node_bits", INTRA_NODE_BITS)
     def test_npu_quantizer(self, intra_node_bits):
+        if importlib.util.find_spec("deepspeed.ops.op_builder.npu.quantizer") is None:
+            pytest.skip("this DeepSpeed has no NPUQuantizer (deepspeed/ops/op_builder/npu/quantizer.py)")
         from deepspeed.ops.op_builder.npu.quantizer import NPUQuantizer
         saved, coalesced_collectives.quantizer_module = coalesced_collectives.quantizer_module, NPUQuantizer
         problems = []
