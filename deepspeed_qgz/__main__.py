@@ -205,8 +205,8 @@ def main(argv=None):
     commands.add_parser("status",
                         help="versions, overlay state, overlaid files, CPU op build").set_defaults(run=status)
     diff_parser = commands.add_parser("diff",
-                                      help="the patch against the installed upstream, as a unified diff "
-                                      "at DeepSpeed's source-tree paths (git apply-able)")
+                                      help="the patch against the installed upstream (or --deepspeed-tree), as a "
+                                      "unified diff at DeepSpeed's source-tree paths (git apply-able)")
     diff_parser.add_argument("--sdist",
                              action="store_true",
                              help="also patch the copies DeepSpeed's source distribution ships of " +

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The patch's DeepSpeed tests (this repository's tests/, at DeepSpeed's paths) against the installed
-# DeepSpeed (the overlay, or a DeepSpeed patched in-tree) on the CPU accelerator, run as DeepSpeed
-# runs its CPU tests: LOCAL_SIZE in the environment at least the largest world size (10).
+# DeepSpeed (the overlay, or a DeepSpeed patched in-tree) or a patched DeepSpeed checkout, on the CPU
+# accelerator, run as DeepSpeed runs its CPU tests: LOCAL_SIZE in the environment at least the largest world size (10).
 #   bash scripts/deepspeed_tests.sh [--deepspeed-tree PATH] [pytest arguments]
 # With --deepspeed-tree PATH (a DeepSpeed git checkout): a copy of the tree with the whole patch
 # (`python -m deepspeed_qgz diff --deepspeed-tree PATH`, made against that tree's files) applied by
