@@ -8,6 +8,7 @@ import contextlib
 import functools
 import math
 import os
+from unittest import mock
 
 import torch
 
@@ -153,7 +154,15 @@ def check_against_average(inputs, outputs, rank, exact_indices=(), rms_bound=Non
 def simulated_nodes(local_size):
     """Inside: the accelerator reports `local_size` devices per node, so the processes of a test's
     world form nodes of that many ranks (LOCAL_SIZE on the CPU accelerator, the device count
-    elsewhere). Yields the qgZ groups of that topology, built afresh."""
+    elsewhere). Yields the qgZ groups of that topology, built afresh.
+
+    The all-to-all groups built inside (these, and those of a DeepSpeed engine initialized inside)
+    are destroyed on exit: DeepSpeed builds new ones at every call of _get_local_all_to_all_group,
+    an idle gloo group keeps a polling thread in each of its processes (20 groups: 4% of a core per
+    process), and the worlds DeepSpeed's harness reuses live for the whole session, so a session's
+    groups, kept, starve the machine the tests run on. (DeepSpeed's other groups are built once per
+    process and kept for later engines.)"""
+    import torch.distributed
     from deepspeed.utils import groups
     accelerator = get_accelerator()
     saved = os.environ.get("LOCAL_SIZE")
@@ -161,9 +170,24 @@ def simulated_nodes(local_size):
     patched = accelerator.device_name() != "cpu"
     if patched:
         accelerator.device_count = lambda: local_size
+    before = dict(groups._ALL_TO_ALL_GROUP)
+    built = []
+    real = groups._get_local_all_to_all_group
+
+    def recorded():
+        made = real()
+        built.extend(g for g in made.values() if not any(g is b for b in built))
+        return made
+
     try:
-        yield dict(groups._get_local_all_to_all_group())
+        with mock.patch.object(groups, "_get_local_all_to_all_group", recorded):
+            yield dict(recorded())
     finally:
+        groups._ALL_TO_ALL_GROUP.clear()
+        groups._ALL_TO_ALL_GROUP.update(before)
+        for group in built:
+            if not any(group is b for b in before.values()):
+                torch.distributed.destroy_process_group(group)
         if patched:
             del accelerator.device_count
         if saved is None:
