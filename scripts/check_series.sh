@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The pull-request series, upstream/*.patch, in order, on a stand-in for DeepSpeed's master made from
+# DeepSpeed 0.19.8's source distribution (scripts/series.py: master's module, checked by its git blob
+# id). For each pull request: its tests fail on the tree before it, its source hunks apply with
+# git apply, its tests and every earlier one's pass after it, and DeepSpeed's hooks pass on what it
+# changes. DeepSpeed's own test modules are not in the source distribution: each pull request's test
+# classes run as a module of their own, on the DistributedTest stand-in, with LOCAL_SIZE=10
+# (docs/upstreaming.md says what ran on DeepSpeed's own harness). Run by scripts/test.sh; alone:
+#   bash scripts/check_series.sh [pytest arguments]     (after scripts/setup_env.sh has run once)
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${QGZ_VENV:-$ROOT/.venv}
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+say() { echo "[$(date +%H:%M:%S)] $*"; }
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+say "series: DeepSpeed 0.19.8's source distribution, made a stand-in for master"
+pip download -q --no-deps --no-binary :all: -d "$WORK" deepspeed==0.19.8
+tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK"
+TREE=$WORK/deepspeed-0.19.8
+python "$ROOT/scripts/series.py" stand-in "$TREE"
+git -C "$TREE" init -q
+cp -r "$ROOT/project_tests/deepspeed_tests_stand_in" "$WORK/tests"
+# The stand-in tree is imported from source (the overlay off); one OpenMP thread per process.
+export DS_QGZ_OVERLAY=0 PYTHONPATH="$TREE:$ROOT/scripts" DS_TESTS_SKIP_SHM_OP=1 OMP_NUM_THREADS=1 LOCAL_SIZE=10
+run_tests() { (cd "$WORK/tests" && python -m pytest -p no:cacheprovider -q -rfE "$@"); }
+for patch in "$ROOT"/upstream/*.patch; do
+    name=$(basename "$patch" .patch)
+    module=unit/test_series_${name%%-*}.py
+    python "$ROOT/scripts/series.py" tests "$patch" "$WORK/tests/$module"
+    say "series: $name: its tests before it (they must fail)"
+    status=0
+    run_tests --tb=line "$module" "$@" || status=$?
+    if [ "$status" -ne 1 ]; then
+        say "series: $name: its tests before it gave pytest's exit status $status, not 1 (tests failed)"
+        exit 1
+    fi
+    say "series: $name: git apply, its source hunks ($(grep -c '^diff --git a/[^t]' "$patch") files)"
+    python "$ROOT/scripts/series.py" source "$patch" "$WORK/source.patch"
+    git -C "$TREE" apply --whitespace=error-all "$WORK/source.patch"
+    say "series: $name: its tests and every earlier pull request's, after it"
+    run_tests "$WORK"/tests/unit/test_series_*.py "$@"
+    say "series: $name: DeepSpeed's hooks on the files it changes"
+    mapfile -t FILES < <(grep '^diff --git a/[^t]' "$patch" | sed 's|^diff --git a/\([^ ]*\) .*|\1|')
+    (cd "$TREE" && bash "$ROOT/scripts/deepspeed_hooks.sh" "${FILES[@]}")
+    # the added test lines, as the module above holds them (its header's imports may go unused)
+    (cd "$WORK/tests" && bash "$ROOT/scripts/deepspeed_hooks.sh" --unused-imports "$module")
+done
+say "series: every pull request checked"
