@@ -12,6 +12,7 @@ from unittest import mock
 
 import torch
 
+import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -162,7 +163,6 @@ def simulated_nodes(local_size):
     process), and the worlds DeepSpeed's harness reuses live for the whole session, so a session's
     groups, kept, starve the machine the tests run on. (DeepSpeed's other groups are built once per
     process and kept for later engines.)"""
-    import torch.distributed
     from deepspeed.utils import groups
     accelerator = get_accelerator()
     saved = os.environ.get("LOCAL_SIZE")
@@ -187,7 +187,7 @@ def simulated_nodes(local_size):
         groups._ALL_TO_ALL_GROUP.update(before)
         for group in built:
             if not any(group is b for b in before.values()):
-                torch.distributed.destroy_process_group(group)
+                dist.destroy_process_group(group)
         if patched:
             del accelerator.device_count
         if saved is None:

@@ -388,10 +388,11 @@ def tensor_violations(**tensors) -> List[str]:
     else:
         device = next(iter(tensors.values()))[0].device
         if device.type == "cuda":
-            import torch
-            if device.index is not None and device.index != torch.cuda.current_device():
+            from deepspeed.accelerator import get_accelerator
+            current = get_accelerator().current_device()
+            if device.index is not None and device.index != current:
                 problems.append(f"the tensors are on {device} but the current device is cuda:"
-                                f"{torch.cuda.current_device()}, where the kernel allocates its outputs")
+                                f"{current}, where the kernel allocates its outputs")
     return problems
 
 
