@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The test suite, from a fresh machine (what .ci/run runs): set up the environment, build the CPU
-# quantizer op once, run DeepSpeed's linters, then against the *installed* package (DeepSpeed 0.19.8
-# with the overlay), from a directory outside the source tree: the project's own tests
-# (project_tests/) and the patch's DeepSpeed tests (tests/, scripts/deepspeed_tests.sh); then the
-# in-tree route (scripts/check_intree.sh: the patch applied to DeepSpeed's source distribution,
+# quantizer op once, run DeepSpeed's linters, check the pull-request series under upstream/ on a
+# stand-in for DeepSpeed's master (scripts/check_series.sh), then against the *installed* package
+# (DeepSpeed 0.19.8 with the overlay), from a directory outside the source tree: the project's own
+# tests (project_tests/) and the patch's DeepSpeed tests (tests/, scripts/deepspeed_tests.sh); then
+# the in-tree route (scripts/check_intree.sh: the patch applied to DeepSpeed's source distribution,
 # the same tests). Extra arguments go to every pytest run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -14,6 +15,8 @@ trap 'rm -rf "$WORK"' EXIT
 start_deepspeed_ops_build
 (cd "$WORK" && python -m deepspeed_qgz status)
 bash "$ROOT/scripts/lint.sh"
+# the series imports DeepSpeed from its stand-in's source and needs none of the ops building beside it
+bash "$ROOT/scripts/check_series.sh" "$@"
 wait_for_deepspeed_ops
 say "suite: DeepSpeed 0.19.8 with the overlay: the project's tests"
 (cd "$WORK" && python -m pytest -p no:cacheprovider -q -rA --durations=10 "$ROOT/project_tests" "$@")
