@@ -45,7 +45,9 @@ differently unless told otherwise, and stay inside what the hardware and LLVM de
 * Exact sums of values on fp16's grid are exact here too: stage 1 (8 bits) keeps two fp32
   accumulators, one for each value rounded to 2**-16 and one for the rest, each exact for its range;
   stage 2 adds integers in units of 2**-24, looked up per node in a table of the 16 values a group's
-  int4 codes dequantize to; stage 1 (4 bits) sums in fp16 as quantized_reduction does.
+  int4 codes dequantize to, int32 only where no sum of any finite scales can leave it (up to
+  NARROW_SUM_NODES nodes of bf16 or fp32 gradients), int64 elsewhere; stage 1 (4 bits) sums in fp16
+  as quantized_reduction does.
 * Magnitudes, maxima, signs and binary exponents are taken on the fp32 bit patterns as integers;
   bf16 gradients are widened to fp32 on their bits (Triton 3.9's interpreter converts bf16
   subnormals wrongly) and results rounded to bf16 on their bits (the interpreter truncates).
@@ -684,7 +686,7 @@ if triton is not None:
         if ONE_STEP:
             steps = 1
         else:
-            steps = -(-vectors // VECS)
+            steps = tl.cdiv(vectors, VECS)  # (Triton's integer // truncates toward zero: no -(-a // b))
         # trips: 1 if ONE_STEP else -(-group_elems // (8 * VECS))
         for step in tl.range(0, steps, loop_unroll_factor=1):
             vector = step * VECS + column
@@ -763,9 +765,34 @@ def quantize_partitions(tensors: List[Tensor], layout: QuantizedReduceLayout) ->
     return slots
 
 
+# Stages 1 and 2 read the received slots as int32 words (vectorized where the words are known to be
+# aligned), and Triton specializes a pointer argument on whether it is 16-byte aligned: a received view
+# starting elsewhere would read misaligned words or run another compiled variant than the one the
+# self-check ran. The launchers' own outputs are fresh allocations, aligned.
+RECEIVED_ALIGNMENT = 16
+
+
+def _check_received(received: Tensor, slots: int, slot_bytes: int, stage: str) -> None:
+    """Raises ValueError, naming the values, unless `received` is a contiguous int8 tensor of `slots`
+    slots of `slot_bytes` bytes starting on a RECEIVED_ALIGNMENT-byte boundary."""
+    address = received.data_ptr()
+    if (received.dtype != torch.int8 or received.numel() != slots * slot_bytes or not received.is_contiguous()
+            or address % RECEIVED_ALIGNMENT):
+        raise ValueError(
+            f"{stage}: received must be a contiguous int8 tensor of {slots} x {slot_bytes} bytes starting "
+            f"on a {RECEIVED_ALIGNMENT}-byte boundary, got {received.dtype} of shape "
+            f"{tuple(received.shape)}, strides {received.stride()}, at an address "
+            f"{address % RECEIVED_ALIGNMENT} bytes past one")
+
+
 def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout) -> Tensor:
-    """Stage 1 in one launch: quantized_pipeline.reduce_within_node's slots."""
+    """Stage 1 in one launch: quantized_pipeline.reduce_within_node's slots.
+
+    Raises:
+        ValueError: `received` is not the intra slots of the layout's world (_check_received).
+    """
     intra, inter = layout.intra, layout.inter
+    _check_received(received, layout.world_size, intra.slot_bytes, "reduce_within_node")
     out = torch.empty(layout.num_nodes, inter.slot_bytes, dtype=torch.int8, device=received.device)
     shape = tile_shape(layout.group_elems)
     tiles = -(-intra.groups_per_partition // shape.groups)
@@ -777,15 +804,24 @@ def reduce_within_node(received: Tensor, layout: QuantizedReduceLayout) -> Tenso
     return out
 
 
-# Stage 2 adds each value's nodes in int32 units of 2**-24 where they cannot overflow: a bf16 or fp32
-# value dequantizes below 8 (code -8, a parameter below 1), so fewer than 16 nodes; fp16 values reach
-# 65504 and take int64.
-NARROW_SUM_NODES = 15
+# Stage 2 adds each value's nodes in units of 2**-24, int32 where no sum can leave int32's range for any
+# finite scales the slots hold, int64 elsewhere. A bf16 or fp32 node's table entry is fp16(code *
+# normalized), |code| <= 8, normalized the scale times 2**-e (e the largest finite scale's binary
+# exponent, clamped at 126, as the reference does): below 4 for any finite fp32 scale, so an entry is
+# at most 32 = 2**29 units, and 3 nodes' sum (3 * 2**29) fits in int32 where 4 nodes' (2**31) may not.
+# (The node sums stage 1 writes keep normalized below 2, entries at most 16 = 2**28 units: 8 nodes of
+# +16 or 9 of -16 already wrap.) fp16 values reach 65504 and take int64 at any node count.
+NARROW_SUM_NODES = 3
 
 
 def average_across_nodes(received: Tensor, layout: QuantizedReduceLayout, dtype: torch.dtype) -> Tensor:
-    """Stage 2 in one launch: quantized_pipeline.average_across_nodes's padded partition."""
+    """Stage 2 in one launch: quantized_pipeline.average_across_nodes's padded partition.
+
+    Raises:
+        ValueError: `received` is not the inter slots of the layout's nodes (_check_received).
+    """
     fmt = layout.inter
+    _check_received(received, layout.num_nodes, fmt.slot_bytes, "average_across_nodes")
     average = torch.empty(layout.padded_partition, dtype=dtype, device=received.device)
     shape = tile_shape(layout.group_elems)
     wide = dtype == torch.float16 or layout.num_nodes > NARROW_SUM_NODES

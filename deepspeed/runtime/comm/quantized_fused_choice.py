@@ -40,11 +40,13 @@ alone, apart from the world's decisions.
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed.runtime.comm.quantized_layout import QuantizedReduceLayout, SlotFormat, quantized_reduce_layout
+from deepspeed.runtime.comm.quantized_layout import (QuantizedReduceLayout, SlotFormat, TensorLayout,
+                                                     quantized_reduce_layout, resolve_group_size,
+                                                     resolve_intra_node_bits)
 
 AUTO = "auto"
 FUSED_SETTINGS = (False, True, AUTO)
@@ -178,6 +180,33 @@ def check_inputs(num_nodes: int, local_world_size: int, group_elems: int, dtype:
     return [[t.to(device) for t in tensors] for tensors in inputs]
 
 
+def exact_layout(numels: Sequence[int], num_nodes: int, local_world_size: int, group_elems: int,
+                 intra_node_bits: int) -> QuantizedReduceLayout:
+    """The layout of tensors of `numels` elements as quantized_reduce_layout makes it (each rank's
+    partition of each tensor padded to whole groups, one after the other), with groups of exactly
+    `group_elems` values, where quantized_reduce_layout takes the group size sending the fewest bytes
+    up to its argument (for the check's small bucket, often a smaller one: another tile class).
+
+    Raises:
+        ValueError: a topology size below 1, a tensor without elements, or a group size or
+            precision the layout refuses (resolve_group_size, resolve_intra_node_bits).
+    """
+    if num_nodes < 1 or local_world_size < 1:
+        raise ValueError(f"num_nodes ({num_nodes}) and local_world_size ({local_world_size}) must be >= 1")
+    if any(n < 1 for n in numels):
+        raise ValueError(f"every tensor needs at least one element, got numels {tuple(numels)}")
+    group_elems = resolve_group_size(group_elems, "group_elems")
+    world = num_nodes * local_world_size
+    tensors, offset = [], 0
+    for numel in numels:
+        partition = -(-numel // world)
+        num_groups = -(-partition // group_elems)
+        tensors.append(TensorLayout(numel, partition, num_groups, offset))
+        offset += num_groups * group_elems
+    return QuantizedReduceLayout(num_nodes, local_world_size, group_elems, resolve_intra_node_bits(intra_node_bits),
+                                 tuple(tensors))
+
+
 def self_check(num_nodes: int, local_world_size: int, group_elems: int, intra_node_bits: int, dtype: torch.dtype,
                device) -> Optional[str]:
     """The fused stages (pipeline_stages(None, fused=True)) against the same stages
@@ -211,16 +240,12 @@ def _mismatch(stage, where, found):
             f"reference {expected}")
 
 
-def _synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_paths(tensors, layout: QuantizedReduceLayout, quantizer) -> Tuple[float, float]:
     """(seconds of one fused call, of one call on `quantizer`, DeepSpeed's kernels) on the call's own
     `tensors`, the exchanges left out (a rank receives what it sends in shape), after a run each."""
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.comm.quantized_pipeline import pipeline_stages, quantized_reduce_scatter
-    device = tensors[0].device
+    accelerator = get_accelerator()
     seconds = []
     for stages in (pipeline_stages(None, fused=True), pipeline_stages(quantizer)):
 
@@ -228,10 +253,10 @@ def time_paths(tensors, layout: QuantizedReduceLayout, quantizer) -> Tuple[float
             return quantized_reduce_scatter(tensors, layout, stages, lambda x: x, lambda x: x, 0)
 
         call()
-        _synchronize(device)
+        accelerator.synchronize()
         start = time.perf_counter()
         call()
-        _synchronize(device)
+        accelerator.synchronize()
         seconds.append(time.perf_counter() - start)
     return seconds[0], seconds[1]
 
