@@ -193,8 +193,10 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
                                      group_size, intra_node_bits)
         # DeepSpeed's kernels: the default path's, and "auto"'s timing of it; `true` never loads them
         quantizer = None if fused is True else _get_quantizer_module()
-        first_run = [tensors[i] for i in quantized[:len(plan[0][1].tensors)]]
-        stages = pipeline_stages(quantizer, choose_fused(fused, first_run, plan[0][1], quantizer))
+        run_stages = []  # every run's kernels decided (self-checked at a key's first call) before any launch
+        for start, layout in plan:
+            run_tensors = [tensors[i] for i in quantized[start:start + len(layout.tensors)]]
+            run_stages.append(pipeline_stages(quantizer, choose_fused(fused, run_tensors, layout, quantizer)))
 
     outputs: List[Tensor] = [t.new_empty(0) if t.numel() == 0 else None for t in tensors]
     stats = QuantizedReduceStats(calls=1)
@@ -204,7 +206,7 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
             outputs[i] = output
         stats.add(_reduce_scatter_stats(exact_tensors, None))
     if quantized:
-        for start, layout in plan:
+        for (start, layout), stages in zip(plan, run_stages):
             run = quantized[start:start + len(layout.tensors)]
             results = quantized_reduce_scatter([tensors[i] for i in run], layout, stages,
                                                lambda slots: _all_to_all(slots, local_group, local_world_size),

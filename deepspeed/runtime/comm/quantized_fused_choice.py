@@ -21,21 +21,39 @@ setting               what a call does
 ====================  ======================================================================
 
 The self-check runs once per process for each (device, dtype, intra-node precision, group size,
-topology), at the first call that needs it (ChoiceKey): a small synthetic bucket in that dtype and
-layout, node 0's local ranks' tensors (check_inputs: zeros, subnormals, the dtype's largest and
-smallest values, exact rounding ties, inf and NaN), goes through each fused stage and the same stage
-on the PyTorch reference quantizer (qgz_reference.py) on the same device, compared bit for bit (NaN
-equal to NaN; the codes of a group whose scale is NaN, which nothing reads, left out). For
-``"auto"`` one call of each path then runs on the call's own bucket, the exchanges left out, and is
+topology) (ChoiceKey), the group size being the one the call's layout takes (each run of a call's plan
+has its own layout: quantized_reduce_plan). A call decides every key of its plan's runs before its
+first launch, in the order of the runs, each key at the first call that has it; a key decided before is
+looked up. A small synthetic bucket in that dtype, with groups of exactly that size on that topology
+(check_layout: every compiled variant the call launches, its tile class and its sum width, is the one
+the check runs), node 0's local ranks' tensors (check_inputs: zeros, subnormals, the dtype's largest
+and smallest values, the largest with one sign in every partition, so that every node's sum of it
+reaches stage 2 alike, exact rounding ties, inf and NaN), goes through each fused stage and the same
+stage on the PyTorch reference quantizer (qgz_reference.py) on the same device, compared bit for bit
+(NaN equal to NaN; the codes of a group whose scale is NaN, which nothing reads, left out). For
+``"auto"`` one call of each path then runs on the run's own tensors, the exchanges left out, and is
 timed after a warm-up call. Every rank of the world takes the same decision: each rank's verdict
-(faster, slower, a mismatch, cannot run) meets the others' in one all-reduce of a world-sized int32
-tensor, and the fused kernels run only where every rank's is "faster" (with ``true``: passed the
-check), so a rank whose check failed keeps every rank off them, and with ``true`` every rank raises.
+(faster, slower, a mismatch, an exception, cannot run) meets the others' in one
+all-reduce of a world-sized int32 tensor over the default process group, and the fused kernels run
+only where every rank's is "faster" (with ``true``: passed the check), so a rank whose check failed
+keeps every rank off them. Every rank reaches the same all-reduces at the same call: the plan and its
+layouts are functions of the tensors' shapes, which a reduce-scatter's ranks share.
+
+So a process runs at most one check (and one all-reduce) per key, in a training run one per distinct
+group size its buckets' layouts take: one at the default zero_quantized_gradients_group_size of 136
+(whose only group size is 136), at most one per multiple of 8 from 136 up to a larger configured
+size. Where the reduce buckets repeat every step (ZeRO-3's do, for a fixed model and backward order)
+every check runs in the first step that reduces gradients; a bucket of new tensor shapes at a later
+step can bring a new group size, and its check and all-reduce come at that call.
+
 Rank 0 logs the choice, its check's result (on a mismatch: the stage, how many values, the first
 differing one's index and both bit patterns), both times and the ranks that held the world back,
-once, through DeepSpeed's logger; a rank whose own check found a mismatch logs it as a warning.
-Nothing runs per call after. A simulation (quantized_simulation.py) decides on its process's verdict
-alone, apart from the world's decisions.
+once, through DeepSpeed's logger; a rank whose own check found a mismatch logs it as a warning, and a
+rank whose check or timing raised an exception (a compile error, an out-of-memory) logs its type,
+message and traceback as a warning: that is not a mismatch, and the world falls back to DeepSpeed's
+kernels (with ``true``, that rank raises it again after the agreement, and every other rank raises a
+ValueError naming the ranks). Nothing runs per call after. A simulation (quantized_simulation.py) decides on its
+process's verdict alone, apart from the world's decisions.
 """
 
 import time
@@ -45,8 +63,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from deepspeed.runtime.comm.quantized_layout import (QuantizedReduceLayout, SlotFormat, TensorLayout,
-                                                     quantized_reduce_layout, resolve_group_size,
-                                                     resolve_intra_node_bits)
+                                                     resolve_group_size, resolve_intra_node_bits)
 
 AUTO = "auto"
 FUSED_SETTINGS = (False, True, AUTO)
@@ -76,7 +93,7 @@ class ChoiceKey(NamedTuple):
     device_type: str
     dtype: torch.dtype
     intra_node_bits: int
-    group_elems: int
+    group_elems: int  # the run's layout's group size (which fixes the kernels' tile class)
     num_nodes: int
     local_world_size: int
     world: bool  # the world's decision (a collective's calls), or a simulation's in one process
@@ -145,36 +162,44 @@ def slot_difference(got: torch.Tensor, expected: torch.Tensor, fmt: SlotFormat):
 # --------------------------------------------------------------------------------------------------
 
 
+def _check_shapes(world: int, group_elems: int) -> List[Tuple[int, int]]:
+    """The synthetic bucket's tensor shapes: 3 groups per partition each (the first 6 in a world of one)."""
+    return [(max(world, 2) * 3, group_elems), (world, 3 * group_elems)]
+
+
 def check_inputs(num_nodes: int, local_world_size: int, group_elems: int, dtype: torch.dtype,
                  device) -> List[List[torch.Tensor]]:
-    """The tensors of node 0's local ranks in the synthetic bucket: two tensors of whole groups per
-    partition, holding a group of zeros, subnormals next to normal values, the dtype's largest and
-    smallest normal values and exact rounding ties of both intra-node precisions in the partition
-    local rank 0 owns, an inf in the one of the last node's local rank 0, and a NaN from the last
-    local rank. Only node 0 is built: its local rank 0 receives what it sums from these ranks alone,
-    and its node's sums are a valid input of stage 2 (one slot per node), so the bucket is
-    5 * local_world_size * world * group_elems values, not the world's."""
-    world = num_nodes * local_world_size
+    """The tensors of node 0's local ranks in the synthetic bucket: two tensors of 3 whole groups per
+    partition each. The first holds a group of zeros, subnormals next to normal values, the dtype's
+    largest value with the local rank's sign (node sums that cancel) and its smallest normal value,
+    and exact rounding ties of both intra-node precisions in the partition local rank 0 owns, and an
+    inf in the partition of the last node's local rank 0; the second, in every partition, the dtype's
+    largest value, positive in one group and negative in the next, on every local rank (node sums at
+    the dtype's largest times the ranks per node, one sign, reaching stage 2 from every node), and a
+    NaN from the last local rank. Only node 0 is built: its local rank 0 receives what it sums from
+    these ranks alone, and its node's sums are a valid input of stage 2 (one slot per node), so the
+    bucket is 6 * local_world_size * world * group_elems values, not the world's (9 * group_elems in
+    a world of one rank, whose partition takes the first tensor's 6 groups)."""
     gen = torch.Generator().manual_seed(1234)
     info = torch.finfo(dtype)
-    shapes = [(world * 3, group_elems), (world, 2 * group_elems)]
+    shapes = _check_shapes(num_nodes * local_world_size, group_elems)
     inputs = []
     for rank in range(local_world_size):
-        tensors = []
-        for shape in shapes:
-            values = torch.randn(shape, generator=gen, dtype=torch.float64)
-            flat = values.view(-1)
-            flat[:group_elems] = 0.0
-            flat[group_elems:2 * group_elems] *= info.tiny
-            flat[group_elems + 1] = info.tiny * info.eps
-            flat[2 * group_elems] = info.max * (-1)**rank
-            flat[3 * group_elems] = info.tiny
-            # ties: the group's largest magnitude 8 makes the scale 16 (8 bits) or 1 (4 bits)
-            ties = 3 * group_elems + group_elems // 2
-            flat[ties] = 8.0
-            flat[ties + 1:ties + 9] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 0.03125, 0.09375, -0.15625])
-            tensors.append(values.to(dtype))
-        inputs.append(tensors)
+        tensors = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
+        flat = tensors[0].view(-1)
+        flat[:group_elems] = 0.0
+        flat[group_elems:2 * group_elems] *= info.tiny
+        flat[group_elems + 1] = info.tiny * info.eps
+        flat[2 * group_elems] = info.max * (-1)**rank
+        flat[3 * group_elems] = info.tiny
+        # ties: the group's largest magnitude 8 makes the scale 16 (8 bits) or 1 (4 bits)
+        ties = 3 * group_elems + group_elems // 2
+        flat[ties] = 8.0
+        flat[ties + 1:ties + 9] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 0.03125, 0.09375, -0.15625])
+        # one sign at the dtype's largest in every partition (rows of the second tensor)
+        tensors[1][:, group_elems] = info.max
+        tensors[1][:, 2 * group_elems] = -info.max
+        inputs.append([t.to(dtype) for t in tensors])
     inputs[local_world_size - 1][1].view(-1)[5] = float("nan")
     inputs[0][0].view(-1)[(3 * (num_nodes - 1) * local_world_size + 1) * group_elems + 3] = float("inf")
     return [[t.to(device) for t in tensors] for tensors in inputs]
@@ -207,17 +232,27 @@ def exact_layout(numels: Sequence[int], num_nodes: int, local_world_size: int, g
                                  tuple(tensors))
 
 
+def check_layout(num_nodes: int, local_world_size: int, group_elems: int,
+                 intra_node_bits: int) -> QuantizedReduceLayout:
+    """The synthetic bucket's layout (check_inputs'), with groups of exactly `group_elems` values
+    (exact_layout): the call's group size, so the tile class of every launch, and the call's topology,
+    so stage 2's sum width."""
+    numels = tuple(rows * columns for rows, columns in _check_shapes(num_nodes * local_world_size, group_elems))
+    return exact_layout(numels, num_nodes, local_world_size, group_elems, intra_node_bits)
+
+
 def self_check(num_nodes: int, local_world_size: int, group_elems: int, intra_node_bits: int, dtype: torch.dtype,
                device) -> Optional[str]:
     """The fused stages (pipeline_stages(None, fused=True)) against the same stages
     on the PyTorch reference quantizer, on `device`, bit for bit (see the module docstring): stage 0
     on each of node 0's local ranks (check_inputs), stage 1 on what its local rank 0 receives, stage 2
-    on that node's sums. None if every stage agrees; else the first mismatch."""
+    on that node's sums; on check_layout, groups of exactly `group_elems` values. None if every stage
+    agrees; else the first mismatch. An exception of a stage propagates."""
     from deepspeed.ops.quantizer import qgz_reference
     from deepspeed.runtime.comm.quantized_pipeline import pipeline_stages
     inputs = check_inputs(num_nodes, local_world_size, group_elems, dtype, device)
-    layout = quantized_reduce_layout(tuple(t.numel() for t in inputs[0]), num_nodes, local_world_size, group_elems,
-                                     intra_node_bits)
+    layout = check_layout(num_nodes, local_world_size, group_elems, intra_node_bits)
+    assert tuple(t.numel for t in layout.tensors) == tuple(t.numel() for t in inputs[0])
     reference, fused = pipeline_stages(qgz_reference), pipeline_stages(None, fused=True)
     slots = [reference.quantize_partitions(tensors, layout) for tensors in inputs]
     for rank, tensors in enumerate(inputs):
@@ -267,8 +302,13 @@ def time_paths(tensors, layout: QuantizedReduceLayout, quantizer) -> Tuple[float
 
 # a rank's verdict: the fused kernels can run, gave the reference's bits and were faster (or were
 # asked for); and the ways it can fall short, in the order the rank found them
-FASTER, SLOWER, MISMATCH, UNAVAILABLE = 0, 1, 2, 3
-_SHORT = {SLOWER: "the fused kernels slower", MISMATCH: "a mismatch", UNAVAILABLE: "the fused kernels unavailable"}
+FASTER, SLOWER, MISMATCH, UNAVAILABLE, RAISED = 0, 1, 2, 3, 4
+_SHORT = {
+    SLOWER: "the fused kernels slower",
+    MISMATCH: "a mismatch",
+    UNAVAILABLE: "the fused kernels unavailable",
+    RAISED: "an exception",
+}
 
 
 def _verdicts(verdict: int, device) -> List[int]:
@@ -294,26 +334,40 @@ def _held_back(verdicts: List[int]) -> str:
     return "; ".join(parts)
 
 
+def _rank() -> Optional[int]:
+    import deepspeed.comm as dist
+    return dist.get_rank() if dist.is_initialized() else None
+
+
 def _log(choice: FusedChoice, verdict: int) -> None:
     """Rank 0's INFO line; a rank whose own check found a mismatch also logs it, as a warning."""
-    import deepspeed.comm as dist
     from deepspeed.utils import logger
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank = _rank()
+    if not rank:
         logger.info(choice.reason)
     elif verdict == MISMATCH:
-        logger.warning(f"rank {dist.get_rank()}: {choice.reason}")
+        logger.warning(f"rank {rank}: {choice.reason}")
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception's type and message, for a log line: the message's lines joined."""
+    message = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def choose_fused(setting, tensors, layout: QuantizedReduceLayout, quantizer, world: bool = True) -> bool:
-    """Whether this call (its `tensors`, its first run's `layout`) runs the fused kernels under
-    `setting` (resolve_fused's), deciding once per key (see the module docstring); `quantizer` is
-    the default path's op. With `world` (a collective's call), collective where the world has
-    several ranks: every rank's first call of a key must reach it, as every rank's reduce-scatter
-    does; without (a simulation in one process), this process's verdict alone, kept apart.
+    """Whether one run of a call (its `tensors` and `layout`, one of quantized_reduce_plan's) runs
+    the fused kernels under `setting` (resolve_fused's), deciding once per key (see the module
+    docstring); `quantizer` is the default path's op. A call decides each of its runs before its
+    first launch. With `world` (a collective's call), collective where the world has several ranks:
+    every rank's first call of a key must reach it, as every rank's reduce-scatter does; without (a
+    simulation in one process), this process's verdict alone, kept apart.
 
     Raises:
-        ValueError: with `setting` True, the fused kernels cannot run here or some rank's check
-            found a mismatch; the message names it.
+        ValueError: with `setting` True, the fused kernels cannot run here, or some rank's check
+            found a mismatch or raised an exception; the message names it.
+        Exception: with `setting` True, on a rank whose own check raised it, that exception (after
+            the agreement, so that no rank is left waiting).
     """
     setting = resolve_fused(setting)
     if setting is False:
@@ -329,17 +383,25 @@ def choose_fused(setting, tensors, layout: QuantizedReduceLayout, quantizer, wor
     spelled = "true" if setting is True else f'"{AUTO}"'  # as the config file spells it
     label = f"qgZ zero_quantized_gradients_fused {spelled} ({what})"
     unavailable = fused_unavailable_reason(device.type)
-    mismatch = times = None
+    mismatch = times = raised = None
     if unavailable is None:
-        try:  # a failure here is this rank's verdict: raising before the agreement would hang the others
+        step = "the self-check"
+        try:  # an exception here is this rank's verdict: raising before the agreement would hang the others
             mismatch = self_check(layout.num_nodes, layout.local_world_size, layout.group_elems,
                                   layout.intra_node_bits, dtype, device)
             if mismatch is None and setting == AUTO:
+                step = "the timing of the two paths"
                 times = time_paths(tensors, layout, quantizer)
-        except Exception as exc:  # noqa: BLE001 - reported as the check's result
-            mismatch = f"the fused kernels failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        except Exception as exc:  # noqa: BLE001 - reported as what it is, below
+            raised = exc
     if unavailable is not None:
         verdict, why = UNAVAILABLE, f"the fused kernels cannot run here: {unavailable}"
+    elif raised is not None:
+        verdict, why = RAISED, f"{step} raised {_describe(raised)}"
+        from deepspeed.utils import logger
+        rank = _rank()
+        logger.warning(f"{'' if rank is None else f'rank {rank}: '}{label}: {why}",
+                       exc_info=(type(raised), raised, raised.__traceback__))
     elif mismatch is not None:
         verdict, why = MISMATCH, f"the self-check found a mismatch: {mismatch}"
     else:
@@ -354,6 +416,10 @@ def choose_fused(setting, tensors, layout: QuantizedReduceLayout, quantizer, wor
     if not fused and any(v != verdict for v in verdicts):  # some rank holds the world back for its own reason
         why += f"; every rank takes DeepSpeed's kernels: {_held_back(verdicts)}"
     if setting is True and not fused:
+        if raised is not None:
+            if hasattr(raised, "add_note"):  # Python 3.11 and later
+                raised.add_note(f"{label}: the fused kernels were asked for, but {step} raised this")
+            raise raised
         raise ValueError(f"{label}: the fused kernels were asked for, but {why}")
     path = "the fused kernels" if fused else "DeepSpeed's kernels"
     choice = FusedChoice(fused, f"{label}: {path} ({why})")

@@ -48,11 +48,12 @@ def simulate_all_to_all_quant_reduce(inputs: Sequence[Sequence[torch.Tensor]],
                                  resolve_group_size(group_size), resolve_intra_node_bits(intra_node_bits))
     fused = resolve_fused(fused)
     quantizer = cc._get_quantizer_module() if quantizer is None else checked(quantizer)
-    first = plan[0][1]
-    stages = pipeline_stages(quantizer,
-                             choose_fused(fused, list(inputs[0][:len(first.tensors)]), first, quantizer, world=False))
-    outputs = [[] for _ in range(world)]
+    run_stages = []  # every run's kernels decided before any launch
     for start, layout in plan:
+        run_tensors = list(inputs[0][start:start + len(layout.tensors)])
+        run_stages.append(pipeline_stages(quantizer, choose_fused(fused, run_tensors, layout, quantizer, world=False)))
+    outputs = [[] for _ in range(world)]
+    for (start, layout), stages in zip(plan, run_stages):
         run = slice(start, start + len(layout.tensors))
         for rank, results in enumerate(_simulate_run([list(ranks[run]) for ranks in inputs], layout, stages)):
             outputs[rank] += results
