@@ -288,6 +288,35 @@ def _induction_step(body, branch, before=()):
     return None
 
 
+def _exit_induction_step(body, before=()):
+    """_induction_step for a loop with an unconditional back edge that it leaves by exiting the program
+    (the loop ends the kernel: stage 2's steps over a group longer than a program): the predicate of
+    the EXIT, followed through the PLOP3 that copies it from a uniform predicate, the compare writing
+    that (its low half: a 64-bit counter's high half is compared by the .EX one), and the add of an
+    immediate writing a register that compare reads."""
+    predicates = {i.predicate for i in body if i.opcode.startswith("EXIT") and i.predicate}
+    for ins in body:
+        parts = [p.strip().lstrip("!") for p in ins.operands.split(",")]
+        if ins.opcode.startswith(("PLOP3", "UPLOP3")) and parts[0] in predicates:
+            predicates |= {
+                p
+                for p in parts[1:] if p[:1] == "P" and p[1:].isdigit() or p[:2] == "UP" and p[2:].isdigit()
+            }
+    compared = set()
+    for ins in body:
+        parts = [p.strip() for p in ins.operands.replace(".reuse", "").split(",")]
+        if "SETP" in ins.opcode and ".EX" not in ins.opcode and parts[0] in predicates:
+            compared |= {r for r in parts[1:] if r.startswith(("R", "UR")) and r not in ("RZ", "URZ")}
+    for ins in body:
+        parts = [p.strip() for p in ins.operands.replace(".reuse", "").split(",")]
+        if ins.opcode.split(".")[0] in ("IADD3", "VIADD", "IADD", "IADD32I", "UIADD3") and parts[0] in compared:
+            for part in parts[1:]:
+                value = int(part, 16) if part.lstrip("-").startswith("0x") else _constant(part, before)
+                if value is not None:
+                    return abs(value - (1 << 32) if value >= 1 << 31 else value)
+    return None
+
+
 _LABELS = {}  # the labels of the disassembly loop_weights reads
 
 
@@ -317,6 +346,8 @@ def loop_weights(dis, path, arguments):
             raise ValueError(f"SASS loop at {branch.address:#x} (lines {branch.lines}) maps to no `for` with a "
                              "`# trips:` note")
         step = _induction_step(ins[first:k + 1], branch, ins[:first])
+        if step is None:
+            step = _exit_induction_step(ins[first:k + 1], ins[:first])
         if step is None:
             shown = [
                 f"{i.address:#x} {i.opcode} {i.operands}" for i in ins[first:k + 1]
@@ -447,6 +478,11 @@ def rows(quick: bool = False):
     dtypes = ["bf16"] if quick else ["fp16", "bf16"]
     cases = [(stage, dtype, bits, group, topology) for stage in range(3) for dtype in dtypes for bits in (4, 8)
              for group in (136, 1024) for topology in topologies if not (stage == 1 and dtype != dtypes[0])]
+    # stage 2 (whose launch does not depend on the intra-node precision) where it differs: at 4 nodes,
+    # past NARROW_SUM_NODES, bf16 sums in int64 as fp16 does; groups of at most 40960, which the
+    # bucket's layout makes longer than a program (steps of 4096 values, the last one partial)
+    cases += [(2, dtype, 8, group, (4, 8)) for dtype in dtypes for group in (136, 1024)]
+    cases += [(2, dtype, 8, 40960, topology) for dtype in dtypes for topology in topologies]
     out = []
     start = time.time()
     for k, (stage, dtype, bits, group, topology) in enumerate(cases):
