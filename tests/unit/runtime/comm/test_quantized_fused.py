@@ -151,7 +151,8 @@ def test_each_stage_equals_the_default_on_special_values(stages, dtype, special)
        seed=st.integers(0, 2**16))
 def test_each_stage_equals_the_default(stages, topology, shapes, large, dtype, bits, group_size, special, seed):
     """Random topologies, shapes, group sizes, dtypes, precisions and special values. A `large`
-    tensor makes groups of more than a kernel step (2048 values) with large group sizes."""
+    tensor (2100 values per partition) makes groups of up to 2104 values with large group sizes;
+    groups longer than a kernel step (4096 values) are test_every_output_byte_is_written's."""
     shapes = shapes + ([(700 * topology[0] * topology[1], 3)] if large else [])
     check_each_stage(stages, topology, shapes, dtype, bits, group_size, special, seed)
 
