@@ -26,13 +26,18 @@ NODES, PROCS_PER_NODE = 3, 2
 STEP_LINE = re.compile(r"^\[0\] STEP (\d+) ")
 
 
-def build_op():
-    """JIT-build the CPU quantizer op once, here, before six ranks would wait on one build."""
-    log("op build: the CPU quantizer op (DeepSpeed's JIT build; about 40 s the first time, cached after)")
-    start = time.perf_counter()
+def build_ops():
+    """JIT-build the ops the trainings load once, here, with a line each, before six ranks would
+    wait on one build with nothing on screen but step 0 of the first progress bar."""
     from deepspeed.accelerator import get_accelerator
-    get_accelerator().create_op_builder("QuantizerBuilder").load(verbose=False)
-    log(f"op build: done in {time.perf_counter() - start:.1f} s")
+    for name, what in (("QuantizerBuilder", "the CPU quantizer op (about 40 s the first time)"),
+                       ("FusedAdamBuilder", "DeepSpeed's CPU Adam op (a few minutes the first time)"),
+                       ("ShareMemCommBuilder", "DeepSpeed's shared-memory communication op (a minute or two the "
+                        "first time)")):
+        log(f"op build: {what}; cached after")
+        start = time.perf_counter()
+        get_accelerator().create_op_builder(name).load(verbose=False)
+        log(f"op build: done in {time.perf_counter() - start:.1f} s")
 
 
 def run(config, steps, label="", timeout=900, env=None):
@@ -80,7 +85,7 @@ def main():
     parser.add_argument("--compare", action="store_true", help="also run with zero_quantized_gradients: false")
     args = parser.parse_args()
 
-    build_op()
+    build_ops()
     runs = 3 if args.compare else 1
     log(f"run 1/{runs}: zero_quantized_gradients true, {NODES} torchrun agents x {PROCS_PER_NODE} processes")
     qgz_losses, qgz, _ = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ")
