@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
 # The in-tree route, as a maintainer takes the whole patch: DeepSpeed 0.19.8's source
-# distribution, `python -m deepspeed_qgz diff --sdist` applied with git apply, installed into a
-# fresh virtual environment without the overlay (deepspeed-qgz is installed there for its command
-# line only). DeepSpeed's git tree has deepspeed/ops/op_builder, deepspeed/ops/csrc and
-# deepspeed/accelerator as symbolic links to the top-level directories; its source distribution
-# ships copies, which --sdist patches too. Its documentation and tests are not in the source
-# distribution: their hunks need a DeepSpeed checkout (scripts/deepspeed_tests.sh --deepspeed-tree).
+# distribution with `python -m deepspeed_qgz diff --sdist` applied by git apply. DeepSpeed's git tree
+# has deepspeed/ops/op_builder, deepspeed/ops/csrc and deepspeed/accelerator as symbolic links to the
+# top-level directories; its source distribution ships copies, which --sdist patches too. Its
+# documentation and tests are not in the source distribution: their hunks need a DeepSpeed checkout
+# (scripts/deepspeed_tests.sh --deepspeed-tree).
 #
-# The suites run once, against the overlay (scripts/test.sh). Here: that the patched tree is what
-# the overlay imports, file by file (the files the patch adds or replaces are this repository's;
-# the files it edits are the overlay's edits of 0.19.8's), and what only an installed tree shows:
-# that it installs, ships the CPU quantizer op's sources and builds the op, and the op registry and
-# the collective at 3 nodes x 2 ranks (the bug report's shape, DeepSpeed's kernels) on it.
-#   bash scripts/check_intree.sh [pytest arguments]
+# The suites run once, against the overlay (scripts/test.sh), on the same files: here, that the
+# patched tree is what the overlay imports, file by file (the files the patch adds or replaces are
+# this repository's; the files it edits are the overlay's edits of 0.19.8's), and that a wheel of
+# it, as pip builds one to install it, ships every file the patch adds (the CPU quantizer op's
+# source and builder among them).
+#   bash scripts/check_intree.sh
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
@@ -49,13 +48,22 @@ if differ:
 print(f"in-tree: {len(ours)} added or replaced files are this repository's, "
       f"{len(edited_paths())} edited files the overlay's edits")
 PY
-deactivate
-source "$ROOT/scripts/patched_env.sh"
-patched_deepspeed_env "$WORK/patched/deepspeed-0.19.8" "$WORK/venv"
-DS_QGZ_TOOLS_ONLY=1 pip install -q --no-deps "$ROOT"
-say "in-tree: the CPU quantizer op, built from the installed tree"
-(cd "$WORK" && python -m deepspeed_qgz status)
-say "in-tree: the op registry and the collective at 3 x 2 against the installed, patched DeepSpeed"
-# DeepSpeed's shared-memory op, which init_distributed would build anew in this environment, is
-# left out: the collectives tested do not use it.
-DS_TESTS_SKIP_SHM_OP=1 bash "$ROOT/scripts/deepspeed_tests.sh" -k "test_qgz_op_registry or (3Nodes2Ranks and shapes_and_dtypes)" "$@"
+say "in-tree: a wheel of the patched tree, as pip builds one to install it, holds every file the patch adds"
+# (the overlay off: its edits are already in the tree)
+DS_QGZ_OVERLAY=0 pip wheel -q --no-deps --no-build-isolation -w "$WORK/wheel" "$WORK/patched/deepspeed-0.19.8"
+python - "$WORK"/wheel/deepspeed-*.whl "$ROOT" <<'PY'
+import subprocess
+import sys
+import zipfile
+
+from deepspeed_qgz import installed_path
+
+wheel, root = sys.argv[1:]
+shipped = set(zipfile.ZipFile(wheel).namelist())
+ours = subprocess.run(["git", "-C", root, "ls-files", "deepspeed", "op_builder", "csrc", "accelerator"],
+                      capture_output=True, text=True, check=True).stdout.split()
+missing = [path for path in ours if installed_path(path) not in shipped]
+if missing:
+    sys.exit(f"in-tree: the wheel of the patched tree lacks {missing}")
+print(f"in-tree: the wheel ships all {len(ours)} files")
+PY
