@@ -55,10 +55,10 @@ def file_diffs(patch_text):
         elif path and line.startswith("@@ "):
             hunk = []
             diffs[path].append(hunk)
+        elif line == "-- ":  # format-patch's signature
+            hunk = None
         elif hunk is not None and line[:1] in (" ", "-", "+", ""):
             hunk.append(line if line else " ")
-        elif line.startswith("-- "):  # format-patch's signature
-            hunk = None
     return diffs
 
 
