@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The pull-request series, upstream/*.patch, in order, on a stand-in for DeepSpeed's master made from
 # DeepSpeed 0.19.8's source distribution (scripts/series.py: master's module, checked by its git blob
-# id). For each pull request: its tests fail on the tree before it, its source hunks apply with
-# git apply, its tests and every earlier one's pass after it, and DeepSpeed's hooks pass on what it
-# changes. DeepSpeed's own test modules are not in the source distribution: each pull request's test
-# classes run as a module of their own, on the DistributedTest stand-in, with LOCAL_SIZE=10
+# id). First, each pull request's size is the one its message and the two tables (README.md,
+# docs/PULL_REQUEST.md) state. Then, for each pull request: its tests fail on the tree before it
+# (some may pass: they guard what it must keep), its source hunks apply with git apply, its tests and
+# every earlier one's pass after it, and DeepSpeed's hooks pass on what it changes. DeepSpeed's own
+# test modules are not in the source distribution: each pull request's added tests run as a module
+# of their own, on the DistributedTest stand-in, with LOCAL_SIZE=10
 # (docs/upstreaming.md says what ran on DeepSpeed's own harness). Run by scripts/test.sh; alone:
 #   bash scripts/check_series.sh [pytest arguments]     (after scripts/setup_env.sh has run once)
 set -euo pipefail
@@ -15,6 +17,8 @@ source "$VENV/bin/activate"
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
+say "series: each pull request's size, as stated"
+python "$ROOT/scripts/series.py" sizes
 say "series: DeepSpeed 0.19.8's source distribution, made a stand-in for master"
 pip download -q --no-deps --no-binary :all: -d "$WORK" deepspeed==0.19.8
 tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK"

@@ -10,13 +10,15 @@
                                              the DistributedTest stand-in
   python scripts/series.py source PATCH OUT  PATCH without its hunks of tests/ (what applies to a
                                              source distribution, which ships no tests)
+  python scripts/series.py sizes             each patch's source and test lines, as its message,
+                                             the README and docs/PULL_REQUEST.md state them
 
 The series is made against DeepSpeed's master at MASTER. Its source differs from 0.19.8's in one
 definition the series edits (coalesced_collectives.py's average), and the series' patches show
 master's lines of it as their context and removed lines. `stand-in` puts those lines in place of
 0.19.8's and accepts the result only if its git blob id is master's, so the stand-in's module is
 master's file, byte for byte. DeepSpeed's test modules are not in the source distribution: `tests`
-runs the classes a patch adds, with the imports their module has, and the module's own tests run
+runs the tests a patch adds, with the imports their module has, and the module's own tests run
 where a DeepSpeed checkout is at hand (docs/upstreaming.md)."""
 
 import hashlib
@@ -32,9 +34,14 @@ TEST_MODULE_HEADER = '''# Copyright (c) Microsoft Corporation.
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The test classes {patch} adds to {path}, with the names that module imports."""
+"""The tests {patch} adds to {path}, with the names that module imports."""
 
-import pytest
+'''
+# the imports of each DeepSpeed test module the series adds tests to (less those its new tests do not
+# need and CI does not have, such as test_zeropp.py's transformers)
+TEST_MODULE_IMPORTS = {
+    "tests/unit/runtime/comm/test_coalesced_collectives.py":
+    '''import pytest
 import torch
 import deepspeed
 import deepspeed.comm as dist
@@ -42,7 +49,15 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.comm.coalesced_collectives import all_to_all_quant_reduce, reduce_scatter_coalesced
 
 from unit.common import DistributedTest
-'''
+''',
+    "tests/unit/runtime/zero/test_zeropp.py":
+    '''import pytest
+import torch
+import torch.nn as nn
+
+from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer, Init, ZeroParamStatus
+''',
+}
 
 
 def file_diffs(patch_text):
@@ -97,11 +112,37 @@ def tests(patch: Path, out: Path):
     added = {}
     for path, hunks in file_diffs(patch.read_text()).items():
         if re.match(r"tests/.*test_[^/]*\.py$", path):
-            added[path] = "\n".join(line[1:] for hunk in hunks for line in hunk if line[0] == "+")
+            # git may show a block's blank lines before it or after it: two before, none after
+            added[path] = "\n".join(line[1:] for hunk in hunks for line in hunk if line[0] == "+").strip("\n")
     if len(added) != 1:
         sys.exit(f"tests: {patch.name} adds tests to {sorted(added) or 'no file'}; one test module is supported")
     (path, body), = added.items()
-    out.write_text(TEST_MODULE_HEADER.format(patch=patch.name, path=path) + body + "\n")
+    if path not in TEST_MODULE_IMPORTS:
+        sys.exit(f"tests: {patch.name} adds tests to {path}, whose imports series.py does not know")
+    header = TEST_MODULE_HEADER.format(patch=patch.name, path=path) + TEST_MODULE_IMPORTS[path]
+    out.write_text(header + "\n\n" + body + "\n")
+
+
+def sizes(root: Path):
+    """Each patch's size as its own message, the README's table and the cover letter's state it."""
+    tables = {name: (root / name).read_text() for name in ("README.md", "docs/PULL_REQUEST.md")}
+    for patch in sorted((root / "upstream").glob("*.patch")):
+        counts = {True: [0, 0], False: [0, 0]}  # is a test file: [added, removed]
+        for path, hunks in file_diffs(patch.read_text()).items():
+            for line in (line for hunk in hunks for line in hunk):
+                if line[0] in "+-":
+                    counts[path.startswith("tests/")][line[0] == "-"] += 1
+        source_lines, test_lines = (f"+{added} -{removed}" if removed else f"+{added}"
+                                    for added, removed in (counts[False], counts[True]))
+        stated = {"its message": f"Size: {source_lines} source lines, {test_lines} test lines." in patch.read_text()}
+        for name, text in tables.items():
+            rows = [row for row in text.splitlines() if row.startswith(f"| [{patch.name[:4]}](")]
+            stated[name] = len(rows) == 1 and f"| {source_lines} | {test_lines} |" in rows[0]
+        wrong = [where for where, right in stated.items() if not right]
+        if wrong:
+            sys.exit(f"sizes: {patch.name} changes {source_lines} source and {test_lines} test lines; "
+                     f"not so stated in {', '.join(wrong)}")
+        print(f"sizes: {patch.name[:4]}: {source_lines} source lines, {test_lines} test lines, as stated")
 
 
 def source(patch: Path, out: Path):
@@ -120,6 +161,8 @@ if __name__ == "__main__":
         stand_in(Path(args[0]), sorted((Path(__file__).resolve().parents[1] / "upstream").glob("*.patch")))
     elif command == "tests":
         tests(Path(args[0]), Path(args[1]))
+    elif command == "sizes":
+        sizes(Path(__file__).resolve().parents[1])
     elif command == "source":
         source(Path(args[0]), Path(args[1]))
     else:

@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # The test suite, from a fresh machine (what .ci/run runs): set up the environment, build the CPU
-# quantizer op once, run DeepSpeed's linters, check the pull-request series under upstream/ on a
-# stand-in for DeepSpeed's master (scripts/check_series.sh), then against the *installed* package
-# (DeepSpeed 0.19.8 with the overlay), from a directory outside the source tree: the project's own
-# tests (project_tests/) and the patch's DeepSpeed tests (tests/, scripts/deepspeed_tests.sh); then
-# the in-tree route (scripts/check_intree.sh: the patch applied to DeepSpeed's source distribution,
-# the same tests). Extra arguments go to every pytest run.
+# quantizer op once, run DeepSpeed's linters; check the pull-request series under upstream/ on a
+# stand-in for DeepSpeed's master (scripts/check_series.sh), beside the rest; test against the
+# *installed* package (DeepSpeed 0.19.8 with the overlay), from a directory outside the source tree:
+# the project's own tests (project_tests/) and the patch's DeepSpeed tests (tests/,
+# scripts/deepspeed_tests.sh); then the in-tree route (scripts/check_intree.sh: the patch applied to
+# DeepSpeed's source distribution, checked against the overlay's files). Extra arguments go to every
+# pytest run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
 say "op builds and overlay state (the CPU quantizer op builds in about 40 s the first time; DeepSpeed's CPU Adam and shared-memory ops build beside it and the linters)"
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+# a check left running in the background when another fails stops with the script
+trap 'jobs -p | xargs -r kill 2>/dev/null; rm -rf "$WORK"' EXIT
 start_deepspeed_ops_build
 (cd "$WORK" && python -m deepspeed_qgz status)
+# The series imports DeepSpeed from its stand-in's source and needs none of the ops building beside
+# it; its worlds mostly start and wait (37 s of CPU in 2 minutes), so it runs beside the rest.
+say "series: the pull requests under upstream/, in the background (their output follows the suites')"
+bash "$ROOT/scripts/check_series.sh" "$@" >"$WORK/series.log" 2>&1 &
+SERIES=$!
 bash "$ROOT/scripts/lint.sh"
-# the series imports DeepSpeed from its stand-in's source and needs none of the ops building beside it
-bash "$ROOT/scripts/check_series.sh" "$@"
 wait_for_deepspeed_ops
 # The two suites run side by side: each keeps about one of two cores busy (their worlds' processes
 # mostly start, import and wait on each other), so one after the other left half the machine idle.
@@ -31,6 +36,9 @@ status=0
 say "suite: the project's tests (run beside the DeepSpeed tests)"
 wait "$PROJECT_TESTS" || status=$?
 cat "$WORK/project_tests.log"
+say "series: the pull requests under upstream/ (run beside the rest)"
+wait "$SERIES" || status=$?
+cat "$WORK/series.log"
 [ "$status" -eq 0 ] || { say "suite: FAILED (above)"; exit 1; }
 bash "$ROOT/scripts/check_intree.sh" "$@"
 say "all checks passed"
