@@ -13,11 +13,12 @@
   python scripts/series.py sizes             each patch's source and test lines, as its message,
                                              the README and docs/PULL_REQUEST.md state them
 
-The series is made against DeepSpeed's master at MASTER. Its source differs from 0.19.8's in one
-definition the series edits (coalesced_collectives.py's average), and the series' patches show
+The series is made against DeepSpeed's master at MASTER. Master's coalesced_collectives.py differs
+from 0.19.8's in one definition the series edits (the average), and the series' patches show
 master's lines of it as their context and removed lines. `stand-in` puts those lines in place of
 0.19.8's and accepts the result only if its git blob id is master's, so the stand-in's module is
-master's file, byte for byte. DeepSpeed's test modules are not in the source distribution: `tests`
+master's file, byte for byte. Its other files, 0002's partition_parameters.py among them, are
+0.19.8's. DeepSpeed's test modules are not in the source distribution: `tests`
 runs the tests a patch adds, with the imports their module has, and the module's own tests run
 where a DeepSpeed checkout is at hand (docs/upstreaming.md)."""
 
