@@ -40,13 +40,13 @@ for patch in "$ROOT"/upstream/*.patch; do
         say "series: $name: its tests before it gave pytest's exit status $status, not 1 (tests failed)"
         exit 1
     fi
-    say "series: $name: git apply, its source hunks ($(grep '^diff --git ' "$patch" | grep -vc ' a/tests/') files)"
     python "$ROOT/scripts/series.py" source "$patch" "$WORK/source.patch"
+    mapfile -t FILES < <(grep '^diff --git ' "$WORK/source.patch" | sed 's|^diff --git a/\([^ ]*\) .*|\1|')
+    say "series: $name: git apply, its source hunks (${#FILES[@]} files)"
     git -C "$TREE" apply --whitespace=error-all "$WORK/source.patch"
     say "series: $name: its tests and every earlier pull request's, after it"
     run_tests "$WORK"/tests/unit/test_series_*.py "$@"
     say "series: $name: DeepSpeed's hooks on the files it changes"
-    mapfile -t FILES < <(grep '^diff --git ' "$patch" | grep -v ' a/tests/' | sed 's|^diff --git a/\([^ ]*\) .*|\1|')
     (cd "$TREE" && bash "$ROOT/scripts/deepspeed_hooks.sh" "${FILES[@]}")
     # the added test lines, as the module above holds them (its header's imports may go unused)
     (cd "$WORK/tests" && bash "$ROOT/scripts/deepspeed_hooks.sh" --unused-imports "$module")

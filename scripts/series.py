@@ -78,6 +78,11 @@ def file_diffs(patch_text):
     return diffs
 
 
+def is_test(path: str) -> bool:
+    """A patch's test files are those under tests/; the rest is its source."""
+    return path.startswith("tests/")
+
+
 def blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
@@ -128,14 +133,15 @@ def sizes(root: Path):
     """Each patch's size as its own message, the README's table and the cover letter's state it."""
     tables = {name: (root / name).read_text() for name in ("README.md", "docs/PULL_REQUEST.md")}
     for patch in sorted((root / "upstream").glob("*.patch")):
+        text = patch.read_text()
         counts = {True: [0, 0], False: [0, 0]}  # is a test file: [added, removed]
-        for path, hunks in file_diffs(patch.read_text()).items():
+        for path, hunks in file_diffs(text).items():
             for line in (line for hunk in hunks for line in hunk):
                 if line[0] in "+-":
-                    counts[path.startswith("tests/")][line[0] == "-"] += 1
+                    counts[is_test(path)][line[0] == "-"] += 1
         source_lines, test_lines = (f"+{added} -{removed}" if removed else f"+{added}"
                                     for added, removed in (counts[False], counts[True]))
-        stated = {"its message": f"Size: {source_lines} source lines, {test_lines} test lines." in patch.read_text()}
+        stated = {"its message": f"Size: {source_lines} source lines, {test_lines} test lines." in text}
         for name, text in tables.items():
             rows = [row for row in text.splitlines() if row.startswith(f"| [{patch.name[:4]}](")]
             stated[name] = len(rows) == 1 and f"| {source_lines} | {test_lines} |" in rows[0]
@@ -150,7 +156,7 @@ def source(patch: Path, out: Path):
     kept, keep = [], True
     for line in patch.read_text().splitlines(keepends=True):
         if line.startswith("diff --git "):
-            keep = not line.split(" b/", 1)[1].startswith("tests/")
+            keep = not is_test(line.split(" b/", 1)[1])
         if keep:
             kept.append(line)
     out.write_text("".join(kept))
