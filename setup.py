@@ -11,7 +11,6 @@ csrc/ live in deepspeed/ops/ there) and adds deepspeed_qgz.pth, which starts the
 """
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
@@ -45,11 +44,6 @@ def overlay_files():
                 yield path, Path(PACKAGE.installed_path(path.relative_to(ROOT).as_posix()))
 
 
-# DS_QGZ_TOOLS_ONLY=1 installs the package's command line (status, diff) without the overlay, for
-# a DeepSpeed patched in-tree (scripts/check_intree.sh).
-TOOLS_ONLY = os.environ.get("DS_QGZ_TOOLS_ONLY") == "1"
-
-
 class BuildWithOverlay(build_py):
 
     def run(self):
@@ -58,8 +52,6 @@ class BuildWithOverlay(build_py):
         # a previous build's overlay may linger in build_lib: start from none
         shutil.rmtree(build_lib / "deepspeed_qgz" / "tree", ignore_errors=True)
         (build_lib / "deepspeed_qgz.pth").unlink(missing_ok=True)
-        if TOOLS_ONLY:
-            return
         for source, installed in overlay_files():
             target = build_lib / "deepspeed_qgz" / "tree" / installed
             target.parent.mkdir(parents=True, exist_ok=True)

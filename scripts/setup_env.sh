@@ -19,7 +19,7 @@ say "environment: torch 2.13.0 (CPU build) in $VENV"
 pip install -q -c "$CONSTRAINTS" torch==2.13.0
 say "environment: deepspeed 0.19.8 (a source distribution: about 15 s to build the first time) and the tools"
 pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements.txt" -r "$ROOT/requirements/requirements-dev.txt"
-say "environment: this package (deepspeed-qgz${DS_QGZ_TOOLS_ONLY:+, tools only})"
+say "environment: this package (deepspeed-qgz)"
 pip install -q -c "$CONSTRAINTS" --force-reinstall --no-deps "$ROOT"
 
 # DeepSpeed's CPU Adam and shared-memory ops, which the trainings and the worlds of the tests load
