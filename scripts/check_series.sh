@@ -3,10 +3,11 @@
 # DeepSpeed 0.19.8's source distribution (scripts/series.py: master's module, checked by its git blob
 # id). First, each pull request's size is the one its message and the two tables (README.md,
 # docs/PULL_REQUEST.md) state. Then, for each pull request: its tests fail on the tree before it
-# (some may pass: they guard what it must keep), its source hunks apply with git apply, its tests and
-# every earlier one's pass after it, and DeepSpeed's hooks pass on what it changes. DeepSpeed's own
-# test modules are not in the source distribution: each pull request's added tests run as a module
-# of their own, on the DistributedTest stand-in, with LOCAL_SIZE=10
+# (some may pass: they guard what it must keep), its source hunks apply with git apply, its tests pass
+# after it (after the last, every pull request's), and DeepSpeed's hooks pass on what it changes.
+# DeepSpeed's own test modules are not in the source distribution: the tests the series adds to each
+# of them run as a module of their own (up to the pull request checked), on the DistributedTest
+# stand-in, with LOCAL_SIZE=10
 # (docs/upstreaming.md says what ran on DeepSpeed's own harness). Run by scripts/test.sh; alone:
 #   bash scripts/check_series.sh [pytest arguments]     (after scripts/setup_env.sh has run once)
 set -euo pipefail
@@ -29,10 +30,10 @@ cp -r "$ROOT/project_tests/deepspeed_tests_stand_in" "$WORK/tests"
 # The stand-in tree is imported from source (the overlay off); one OpenMP thread per process.
 export DS_QGZ_OVERLAY=0 PYTHONPATH="$TREE:$ROOT/scripts" DS_TESTS_SKIP_SHM_OP=1 OMP_NUM_THREADS=1 LOCAL_SIZE=10
 run_tests() { (cd "$WORK/tests" && python -m pytest -p no:cacheprovider -q -rfE "$@"); }
-for patch in "$ROOT"/upstream/*.patch; do
+PATCHES=("$ROOT"/upstream/*.patch)
+for patch in "${PATCHES[@]}"; do
     name=$(basename "$patch" .patch)
-    module=unit/test_series_${name%%-*}.py
-    python "$ROOT/scripts/series.py" tests "$patch" "$WORK/tests/$module"
+    module=unit/$(python "$ROOT/scripts/series.py" tests "$patch" "$WORK/tests/unit")
     say "series: $name: its tests before it (they must fail)"
     status=0
     run_tests --tb=line "$module" "$@" || status=$?
@@ -44,8 +45,13 @@ for patch in "$ROOT"/upstream/*.patch; do
     mapfile -t FILES < <(grep '^diff --git ' "$WORK/source.patch" | sed 's|^diff --git a/\([^ ]*\) .*|\1|')
     say "series: $name: git apply, its source hunks (${#FILES[@]} files)"
     git -C "$TREE" apply --whitespace=error-all "$WORK/source.patch"
-    say "series: $name: its tests and every earlier pull request's, after it"
-    run_tests "$WORK"/tests/unit/test_series_*.py "$@"
+    if [ "$patch" = "${PATCHES[-1]}" ]; then
+        say "series: $name: its tests and every earlier pull request's, after it"
+        run_tests "$WORK"/tests/unit/test_series_*.py "$@"
+    else
+        say "series: $name: its tests after it"
+        run_tests "$module" "$@"
+    fi
     say "series: $name: DeepSpeed's hooks on the files it changes"
     (cd "$TREE" && bash "$ROOT/scripts/deepspeed_hooks.sh" "${FILES[@]}")
     # the added test lines, as the module above holds them (its header's imports may go unused)

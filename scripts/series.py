@@ -6,8 +6,9 @@
 
   python scripts/series.py stand-in DIR      DIR: an unpacked DeepSpeed 0.19.8 source distribution,
                                              made into a stand-in for master (below)
-  python scripts/series.py tests PATCH OUT   the tests PATCH adds, as a module OUT that runs beside
-                                             the DistributedTest stand-in
+  python scripts/series.py tests PATCH DIR   the tests PATCH and the patches before it add to PATCH's
+                                             test module, as one module in DIR that runs beside the
+                                             DistributedTest stand-in; prints its name
   python scripts/series.py source PATCH OUT  PATCH without its hunks of tests/ (what applies to a
                                              source distribution, which ships no tests)
   python scripts/series.py sizes             each patch's source and test lines, as its message,
@@ -19,8 +20,9 @@ master's lines of it as their context and removed lines. `stand-in` puts those l
 0.19.8's and accepts the result only if its git blob id is master's, so the stand-in's module is
 master's file, byte for byte. Its other files, 0002's partition_parameters.py among them, are
 0.19.8's. DeepSpeed's test modules are not in the source distribution: `tests`
-runs the tests a patch adds, with the imports their module has, and the module's own tests run
-where a DeepSpeed checkout is at hand (docs/upstreaming.md)."""
+runs the tests the series adds to a module up to a patch (a later patch's tests may use an earlier
+one's helpers), with the imports that module has, and the module's own tests run where a DeepSpeed
+checkout is at hand (docs/upstreaming.md)."""
 
 import hashlib
 import re
@@ -35,7 +37,7 @@ TEST_MODULE_HEADER = '''# Copyright (c) Microsoft Corporation.
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The tests {patch} adds to {path}, with the names that module imports."""
+"""The tests the series adds to {path}, up to {patch}, with the names that module imports."""
 
 '''
 # the imports of each DeepSpeed test module the series adds tests to (less those its new tests do not
@@ -55,6 +57,10 @@ from unit.common import DistributedTest
     '''import pytest
 import torch
 import torch.nn as nn
+
+from unit.common import DistributedTest
+
+import deepspeed
 
 from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer, Init, ZeroParamStatus
 ''',
@@ -114,19 +120,32 @@ def stand_in(tree: Path, patches):
         print(f"stand-in: {path} is master's ({MASTER[:8]}, blob {blob[:12]})")
 
 
-def tests(patch: Path, out: Path):
+def added_tests(patch: Path):
+    """{test module: the lines the patch adds to it}; a patch that removes or changes lines of a test module is
+    refused (an earlier patch's tests are kept as they are)."""
     added = {}
     for path, hunks in file_diffs(patch.read_text()).items():
         if re.match(r"tests/.*test_[^/]*\.py$", path):
+            if any(line[0] == "-" for hunk in hunks for line in hunk):
+                sys.exit(f"tests: {patch.name} removes lines of {path}; only added tests are supported")
             # git may show a block's blank lines before it or after it: two before, none after
             added[path] = "\n".join(line[1:] for hunk in hunks for line in hunk if line[0] == "+").strip("\n")
+    return added
+
+
+def tests(patch: Path, out_dir: Path):
+    added = added_tests(patch)
     if len(added) != 1:
         sys.exit(f"tests: {patch.name} adds tests to {sorted(added) or 'no file'}; one test module is supported")
-    (path, body), = added.items()
+    (path, _), = added.items()
     if path not in TEST_MODULE_IMPORTS:
         sys.exit(f"tests: {patch.name} adds tests to {path}, whose imports series.py does not know")
+    series = sorted(patch.parent.glob("*.patch"))
+    bodies = [added_tests(earlier).get(path) for earlier in series[:series.index(patch) + 1]]
     header = TEST_MODULE_HEADER.format(patch=patch.name, path=path) + TEST_MODULE_IMPORTS[path]
-    out.write_text(header + "\n\n" + body + "\n")
+    out = out_dir / f"test_series_{Path(path).stem.removeprefix('test_')}.py"
+    out.write_text(header + "\n\n" + "\n\n\n".join(body for body in bodies if body) + "\n")
+    print(out.name)
 
 
 def sizes(root: Path):
@@ -167,7 +186,7 @@ if __name__ == "__main__":
     if command == "stand-in":
         stand_in(Path(args[0]), sorted((Path(__file__).resolve().parents[1] / "upstream").glob("*.patch")))
     elif command == "tests":
-        tests(Path(args[0]), Path(args[1]))
+        tests(Path(args[0]).resolve(), Path(args[1]))
     elif command == "sizes":
         sizes(Path(__file__).resolve().parents[1])
     elif command == "source":
