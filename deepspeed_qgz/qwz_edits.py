@@ -239,15 +239,16 @@ REPLACEMENTS = (
                     quant_info.layout = layout
                     quant_info.world_size = world_size
 '''),
-    # The padding past a parameter's end in the last partitions: zeros, not stale memory (it is
-    # quantized with the values, and the optimizer's master copy starts from it).
+    # The padding past a parameter's end in the last partitions, where qwZ quantizes it with the
+    # values: zeros, not stale memory. Without qwZ it is left as upstream leaves it.
     ("""                        param.ds_tensor.narrow(0, 0,
                                                elems_to_copy).copy_(one_dim_param.narrow(0, start, elems_to_copy))
 """, """                        param.ds_tensor.narrow(0, 0,
                                                elems_to_copy).copy_(one_dim_param.narrow(0, start, elems_to_copy))
-                with torch.no_grad():
-                    copied = max(0, param.ds_numel - start)
-                    param.ds_tensor.narrow(0, copied, partition_size - copied).zero_()
+                if self.quantized_weights or self.quantized_nontrainable_weights:
+                    with torch.no_grad():
+                        copied = max(0, param.ds_numel - start)
+                        param.ds_tensor.narrow(0, copied, partition_size - copied).zero_()
 """),
     # Non-trainable weights kept quantized: quantized once the partition holds the parameter's
     # values (not before, when it is still uninitialized memory).
