@@ -3,8 +3,9 @@
 # DeepSpeed 0.19.8's source distribution (scripts/series.py: master's module, checked by its git blob
 # id). First, each pull request's size is the one its message and the two tables (README.md,
 # docs/PULL_REQUEST.md) state. Then, for each pull request: its tests fail on the tree before it
-# (some may pass: they guard what it must keep), its source hunks apply with git apply, its tests pass
-# after it (after the last, every pull request's), and DeepSpeed's hooks pass on what it changes.
+# (some may pass: they guard what it must keep; the first failure ends that run), its source hunks
+# apply with git apply, its tests pass after it (after the last, every pull request's), and
+# DeepSpeed's hooks pass on what it changes.
 # DeepSpeed's own test modules are not in the source distribution: the tests the series adds to each
 # of them run as a module of their own (up to the pull request checked), on the DistributedTest
 # stand-in, with LOCAL_SIZE=10
@@ -36,7 +37,8 @@ for patch in "${PATCHES[@]}"; do
     module=unit/$(python "$ROOT/scripts/series.py" tests "$patch" "$WORK/tests/unit")
     say "series: $name: its tests before it (they must fail)"
     status=0
-    run_tests --tb=line "$module" "$@" || status=$?
+    # one failure is the verdict: the run stops there
+    run_tests --tb=line --maxfail=1 "$module" "$@" || status=$?
     if [ "$status" -ne 1 ]; then
         say "series: $name: its tests before it gave pytest's exit status $status, not 1 (tests failed)"
         exit 1
