@@ -2,7 +2,7 @@
 # The pull-request series, upstream/*.patch, in order, on a stand-in for DeepSpeed's master made from
 # DeepSpeed 0.19.8's source distribution (scripts/series.py: master's module, checked by its git blob
 # id). First, each pull request's size is the one its message and the two tables (README.md,
-# docs/PULL_REQUEST.md) state. Then, for each pull request: its tests fail on the tree before it
+# docs/PULL_REQUEST.md) state. Then, for each pull request: its own tests fail on the tree before it
 # (some may pass: they guard what it must keep; the first failure ends that run), its source hunks
 # apply with git apply, and DeepSpeed's hooks pass on what it changes; after the last, every pull
 # request's tests pass (each one's after itself is run on DeepSpeed's harness: docs/upstreaming.md).
@@ -35,10 +35,14 @@ PATCHES=("$ROOT"/upstream/*.patch)
 for patch in "${PATCHES[@]}"; do
     name=$(basename "$patch" .patch)
     module=unit/$(python "$ROOT/scripts/series.py" tests "$patch" "$WORK/tests/unit")
+    # the tests it adds (the earlier pull requests' pass there), or the module's where it changes
+    # earlier tests instead; one failure is the verdict: the run stops there
+    mapfile -t OWN < <(python "$ROOT/scripts/series.py" own "$patch")
+    TARGETS=("${OWN[@]/#/$module::}")
+    [ "${#TARGETS[@]}" -gt 0 ] || TARGETS=("$module")
     say "series: $name: its tests before it (they must fail)"
     status=0
-    # one failure is the verdict: the run stops there
-    run_tests --tb=line --maxfail=1 "$module" "$@" || status=$?
+    run_tests --tb=line --maxfail=1 "${TARGETS[@]}" "$@" || status=$?
     if [ "$status" -ne 1 ]; then
         say "series: $name: its tests before it gave pytest's exit status $status, not 1 (tests failed)"
         exit 1

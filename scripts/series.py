@@ -7,8 +7,10 @@
   python scripts/series.py stand-in DIR      DIR: an unpacked DeepSpeed 0.19.8 source distribution,
                                              made into a stand-in for master (below)
   python scripts/series.py tests PATCH DIR   the tests PATCH and the patches before it add to PATCH's
-                                             test module, as one module in DIR that runs beside the
-                                             DistributedTest stand-in; prints its name
+                                             test module (or change there), as one module in DIR that
+                                             runs beside the DistributedTest stand-in; prints its name
+  python scripts/series.py own PATCH         the tests PATCH itself adds (its top-level test classes and
+                                             functions), one name a line; none where it changes others'
   python scripts/series.py source PATCH OUT  PATCH without its hunks of tests/ (what applies to a
                                              source distribution, which ships no tests)
   python scripts/series.py sizes             each patch's source and test lines, as its message,
@@ -16,7 +18,8 @@
 
 The series is made against DeepSpeed's master at MASTER. Master's coalesced_collectives.py differs
 from 0.19.8's in one definition the series edits (the average), and the series' patches show
-master's lines of it as their context and removed lines. `stand-in` puts those lines in place of
+master's lines of it as their context and removed lines. `stand-in` puts those lines (the first
+patch's that changes it: the later ones show the series') in place of
 0.19.8's and accepts the result only if its git blob id is master's, so the stand-in's module is
 master's file, byte for byte. Its other files, 0002's partition_parameters.py among them, are
 0.19.8's. DeepSpeed's test modules are not in the source distribution: `tests`
@@ -101,18 +104,19 @@ def stand_in(tree: Path, patches):
     for path, blob in MASTER_BLOBS.items():
         target = tree / path
         lines = target.read_text().splitlines()
-        for patch in patches:
-            for hunk in file_diffs(patch.read_text()).get(path, []):
-                before = [line[1:] for line in hunk if line[0] in " -"]
-                if _find(lines, before):
-                    continue
-                # master's lines of this hunk replace 0.19.8's between the hunk's first line and its
-                # last three, which both have, once each
-                tops = _find(lines, before[:1])
-                bottoms = [i for i in _find(lines, before[-3:]) if tops and tops[0] < i]
-                if len(tops) != 1 or not bottoms:
-                    sys.exit(f"stand-in: {patch.name}: a hunk of {path} has no place in the source distribution")
-                lines[tops[0]:bottoms[0] + 3] = before
+        # only the first patch that changes the file shows master's lines of it; later ones show the series'
+        patch = next(patch for patch in patches if path in file_diffs(patch.read_text()))
+        for hunk in file_diffs(patch.read_text())[path]:
+            before = [line[1:] for line in hunk if line[0] in " -"]
+            if _find(lines, before):
+                continue
+            # master's lines of this hunk replace 0.19.8's between the hunk's first line and its
+            # last three, which both have, once each
+            tops = _find(lines, before[:1])
+            bottoms = [i for i in _find(lines, before[-3:]) if tops and tops[0] < i]
+            if len(tops) != 1 or not bottoms:
+                sys.exit(f"stand-in: {patch.name}: a hunk of {path} has no place in the source distribution")
+            lines[tops[0]:bottoms[0] + 3] = before
         data = ("\n".join(lines) + "\n").encode()
         if blob_id(data) != blob:
             sys.exit(f"stand-in: {path} is not master's ({MASTER[:8]}): blob {blob_id(data)}, master's {blob}")
@@ -120,32 +124,51 @@ def stand_in(tree: Path, patches):
         print(f"stand-in: {path} is master's ({MASTER[:8]}, blob {blob[:12]})")
 
 
-def added_tests(patch: Path):
-    """{test module: the lines the patch adds to it}; a patch that removes or changes lines of a test module is
-    refused (an earlier patch's tests are kept as they are)."""
-    added = {}
-    for path, hunks in file_diffs(patch.read_text()).items():
-        if re.match(r"tests/.*test_[^/]*\.py$", path):
-            if any(line[0] == "-" for hunk in hunks for line in hunk):
-                sys.exit(f"tests: {patch.name} removes lines of {path}; only added tests are supported")
-            # git may show a block's blank lines before it or after it: two before, none after
-            added[path] = "\n".join(line[1:] for hunk in hunks for line in hunk if line[0] == "+").strip("\n")
-    return added
+def test_hunks(patch: Path):
+    """{test module: its hunks} of a patch."""
+    return {
+        path: hunks
+        for path, hunks in file_diffs(patch.read_text()).items() if re.match(r"tests/.*test_[^/]*\.py$", path)
+    }
 
 
 def tests(patch: Path, out_dir: Path):
-    added = added_tests(patch)
-    if len(added) != 1:
-        sys.exit(f"tests: {patch.name} adds tests to {sorted(added) or 'no file'}; one test module is supported")
-    (path, _), = added.items()
+    modules = test_hunks(patch)
+    if len(modules) != 1:
+        sys.exit(
+            f"tests: {patch.name} changes the tests of {sorted(modules) or 'no file'}; one test module is supported")
+    (path, _), = modules.items()
     if path not in TEST_MODULE_IMPORTS:
         sys.exit(f"tests: {patch.name} adds tests to {path}, whose imports series.py does not know")
     series = sorted(patch.parent.glob("*.patch"))
-    bodies = [added_tests(earlier).get(path) for earlier in series[:series.index(patch) + 1]]
+    # The series' lines of the module, patch by patch: a hunk whose lines before it are among them (a
+    # later patch changing an earlier one's test) is applied there; one that adds lines next to master's
+    # own appends them as a block (git may show a block's blank lines before it or after it).
+    lines = []
+    for earlier in series[:series.index(patch) + 1]:
+        for hunk in test_hunks(earlier).get(path, []):
+            before = [line[1:] for line in hunk if line[0] in " -"]
+            after = [line[1:] for line in hunk if line[0] in " +"]
+            places = _find(lines, before)
+            if len(places) == 1:
+                lines[places[0]:places[0] + len(before)] = after
+            elif any(line[0] == "-" for line in hunk):
+                sys.exit(f"tests: {earlier.name} changes lines of {path} that the series did not add")
+            else:
+                block = "\n".join(line[1:] for line in hunk if line[0] == "+").strip("\n").split("\n")
+                lines += ["", ""] + block if lines else block
     header = TEST_MODULE_HEADER.format(patch=patch.name, path=path) + TEST_MODULE_IMPORTS[path]
     out = out_dir / f"test_series_{Path(path).stem.removeprefix('test_')}.py"
-    out.write_text(header + "\n\n" + "\n\n\n".join(body for body in bodies if body) + "\n")
+    out.write_text(header + "\n\n" + "\n".join(lines) + "\n")
     print(out.name)
+
+
+def own(patch: Path):
+    """The tests a patch adds (none where it changes an earlier patch's instead)."""
+    for hunks in test_hunks(patch).values():
+        added = "\n".join(line[1:] for hunk in hunks for line in hunk if line[0] == "+")
+        for name in re.findall(r"^(?:class (Test\w+)|def (test_\w+))", added, re.MULTILINE):
+            print("".join(name))
 
 
 def sizes(root: Path):
@@ -187,6 +210,8 @@ if __name__ == "__main__":
         stand_in(Path(args[0]), sorted((Path(__file__).resolve().parents[1] / "upstream").glob("*.patch")))
     elif command == "tests":
         tests(Path(args[0]).resolve(), Path(args[1]))
+    elif command == "own":
+        own(Path(args[0]))
     elif command == "sizes":
         sizes(Path(__file__).resolve().parents[1])
     elif command == "source":
