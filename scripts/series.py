@@ -19,8 +19,8 @@
 The series is made against DeepSpeed's master at MASTER. Master's coalesced_collectives.py differs
 from 0.19.8's in one definition the series edits (the average), and the series' patches show
 master's lines of it as their context and removed lines. `stand-in` puts those lines (the first
-patch's that changes it: the later ones show the series') in place of
-0.19.8's and accepts the result only if its git blob id is master's, so the stand-in's module is
+patch's that changes it: the later ones show the series') in place of 0.19.8's and accepts the
+result only if its git blob id is master's, so the stand-in's module is
 master's file, byte for byte. Its other files, 0002's partition_parameters.py among them, are
 0.19.8's. DeepSpeed's test modules are not in the source distribution: `tests`
 runs the tests the series adds to a module up to a patch (a later patch's tests may use an earlier
