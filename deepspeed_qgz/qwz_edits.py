@@ -284,10 +284,38 @@ REPLACEMENTS = (
 ''', '''                if sec_numel > 0:
                     param.ds_secondary_tensor.narrow(0, 0, sec_numel).copy_(
                         one_dim_param.narrow(0, secondary_start, sec_numel))
-            # keep a non-trainable parameter's secondary partition quantized, now that it holds its values
-            if not param.requires_grad and self.quantized_nontrainable_weights and not hasattr(
-                    param.ds_secondary_tensor, "ds_quant_scale"):
+            # keep a non-trainable parameter's secondary partition quantized, now that it holds its values,
+            # in the primary's format once the primary exists: the fetch takes it from the primary, and a
+            # parameter frozen after its primary was made keeps a plain one (the first time, _partition
+            # makes the secondary before the primary: the primary's rule)
+            if getattr(param, "ds_tensor", None) is not None:
+                quantize = hasattr(param.ds_tensor, "ds_quant_scale")
+            else:
+                quantize = not param.requires_grad and self.quantized_nontrainable_weights
+            if quantize and not hasattr(param.ds_secondary_tensor, "ds_quant_scale"):
                 param.ds_secondary_tensor = _quantized_partition(self.quantizer_module, param.ds_secondary_tensor)
+'''),
+    # An update of a partition kept quantized (a frozen weight changed in place, e.g. under
+    # GatheredParameters): its values go into floats, not into the int8 codes, which would truncate
+    # them; they are quantized again after the copy while the weight is still frozen.
+    ('''                param.ds_numel_aligned = tensor_size
+
+            start = partition_size * self._partition_rank(param)
+''', '''                param.ds_numel_aligned = tensor_size
+            elif hasattr(param.ds_tensor, "ds_quant_scale"):
+                param.ds_tensor = _float_partition(param.ds_tensor, partition_size, param.dtype)
+
+            start = partition_size * self._partition_rank(param)
+'''),
+    ('''                param.ds_secondary_tensor.final_location = final_location
+
+            #use rank in group for secondary tensor
+''', '''                param.ds_secondary_tensor.final_location = final_location
+            elif hasattr(param.ds_secondary_tensor, "ds_quant_scale"):
+                param.ds_secondary_tensor = _float_partition(param.ds_secondary_tensor, secondary_partition_size,
+                                                             param.dtype)
+
+            #use rank in group for secondary tensor
 '''),
     ('''class QuantizationInfo:
     # a placeholder object to store all quant related vars used in handles
@@ -316,6 +344,17 @@ def _quantized_partition(quantizer, partition):
             setattr(codes, attribute, getattr(partition, attribute))
     codes.requires_grad = False
     return codes
+
+
+def _float_partition(codes, size, dtype):
+    """An empty partition of `size` values of `dtype` in place of one kept quantized (`codes`),
+    carrying its attributes: an update's values are copied into it, then quantized again."""
+    partition = torch.empty(size, dtype=dtype, device=codes.device)
+    for attribute in ("ds_numel", "status", "final_location"):
+        if hasattr(codes, attribute):
+            setattr(partition, attribute, getattr(codes, attribute))
+    partition.requires_grad = False
+    return partition
 '''),
     # The blocking coalesced gather of parameters kept quantized.
     ('''        for param in param_list:

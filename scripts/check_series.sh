@@ -5,7 +5,8 @@
 # docs/PULL_REQUEST.md) state. Then, for each pull request: its own tests fail on the tree before it
 # (some may pass: they guard what it must keep; the first failure ends that run), its source hunks
 # apply with git apply, and DeepSpeed's hooks pass on what it changes; after the last, every pull
-# request's tests pass (each one's after itself is run on DeepSpeed's harness: docs/upstreaming.md).
+# request's tests pass (each one's after itself is run on DeepSpeed's harness: docs/upstreaming.md),
+# and the qwZ ones on DeepSpeed 0.19.8 with the overlay too.
 # DeepSpeed's own test modules are not in the source distribution: the tests the series adds to each
 # of them run as a module of their own (up to the pull request checked), on the DistributedTest
 # stand-in, with LOCAL_SIZE=10
@@ -60,4 +61,10 @@ for patch in "${PATCHES[@]}"; do
     # the added test lines, as the module above holds them (its header's imports may go unused)
     (cd "$WORK/tests" && bash "$ROOT/scripts/deepspeed_hooks.sh" --unused-imports "$module")
 done
+# What users install today, DeepSpeed 0.19.8 with this repository's overlay, must pass the series' qwZ
+# tests too (the qgZ ones use the series' own definitions, such as 0005's bound on an exchange, which
+# the overlay's collective does not have)
+say "series: every pull request's qwZ tests, on DeepSpeed 0.19.8 with the overlay (what users install)"
+(cd "$WORK/tests" && DS_QGZ_OVERLAY=1 PYTHONPATH="$ROOT/scripts" python -m pytest -p no:cacheprovider -q -rfE \
+    unit/test_series_zeropp.py "$@")
 say "series: every pull request checked"

@@ -98,8 +98,8 @@ def quantize_weights(quantizer, partitions: Sequence[Tensor], layout: QuantizedW
     if tuple(p.numel() for p in partitions) != layout.numels:
         raise ValueError(f"quantize_weights: partitions of {[p.numel() for p in partitions]} values for a layout of "
                          f"{list(layout.numels)}")
-    device = partitions[0].device
-    zeros = torch.zeros(layout.group_elems, dtype=torch.float32, device=device)
+    # new_* constructors: under zero.Init, torch.empty and torch.zeros return the model's dtype
+    zeros = partitions[0].new_zeros(layout.group_elems, dtype=torch.float32)
     pieces = []
     for partition, offset, end in zip(partitions, layout.offsets, layout.offsets[1:] + (layout.padded_partition, )):
         pieces.append(partition.reshape(-1).float())
@@ -110,7 +110,7 @@ def quantize_weights(quantizer, partitions: Sequence[Tensor], layout: QuantizedW
     absmax = torch.maximum(largest, -smallest)  # NaN if a group holds one
     sign = torch.where(largest > -smallest, -1.0, 1.0)
     exponent = binary_exponent(absmax)
-    fp16 = torch.empty(values.shape, dtype=torch.float16, device=device)
+    fp16 = values.new_empty(values.shape, dtype=torch.float16)
     torch.mul(values, (torch.pow(0.5, exponent) * sign).unsqueeze(-1), out=fp16)
     codes, scales = quantizer.quantize(fp16.view(-1), layout.num_groups, WEIGHT_BITS, quantizer.Symmetric)
     fold = torch.where(absmax < math.inf, (absmax > 0) * torch.pow(2.0, exponent) * sign, math.nan)
@@ -126,6 +126,6 @@ def dequantize_weights(quantizer, codes: Tensor, scales: Tensor, dtype: torch.dt
     mantissa, exponent = torch.frexp(scales.reshape(-1).float())
     values = quantizer.dequantize(codes.reshape(-1), mantissa.view(-1, 1), num_groups, WEIGHT_BITS,
                                   quantizer.Symmetric)
-    out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+    out = codes.new_empty(codes.numel(), dtype=dtype)  # not torch.empty: see quantize_weights
     torch.mul(values.view(num_groups, -1), torch.pow(2.0, exponent).unsqueeze(-1), out=out.view(num_groups, -1))
     return out

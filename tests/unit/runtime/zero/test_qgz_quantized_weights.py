@@ -69,6 +69,22 @@ def test_quantized_partitions_come_back_within_int8_error(dtype):
     assert torch.isfinite(layout.gathered_partition(values, 0, 0, 2053)).all()
 
 
+def test_quantized_partitions_the_same_under_zero_init(monkeypatch):
+    """Under zero.Init, torch.empty and torch.zeros return floats of the model's dtype whatever
+    dtype they are asked for: bf16 partitions (a frozen layer's, kept quantized as it is built)
+    must quantize and dequantize there as anywhere else."""
+    from deepspeed.runtime.zero.partition_parameters import zero_wrapper_for_fp_tensor_constructor
+    gen = torch.Generator().manual_seed(0)
+    partitions = [torch.randn(n, generator=gen).to(torch.bfloat16).to(device()) for n in (2053, 17)]
+    layout = quantized_weight_layout(tuple(p.numel() for p in partitions))
+    outside = dequantize_weights(quantizer(), *quantize_weights(quantizer(), partitions, layout), torch.float32)
+    for name in ("empty", "zeros", "ones", "full"):
+        monkeypatch.setattr(torch, name,
+                            zero_wrapper_for_fp_tensor_constructor(getattr(torch, name), torch.bfloat16, None))
+    inside = dequantize_weights(quantizer(), *quantize_weights(quantizer(), partitions, layout), torch.float32)
+    assert inside.dtype == torch.float32 and torch.equal(inside, outside)
+
+
 def int8_error_bound(exact, step, dtype):
     """Clamp-free int8: half a step of the group (absmax / 127), but a whole one for a value of the
     other sign than the group's largest magnitude within a step of it (it lands on code 128, which
