@@ -262,9 +262,8 @@ REPLACEMENTS = (
     ('''            #print(f"Remote device {self.remote_device}")
 
             #param.ds_tensor = partitioned_tensor
-''', '''            # keep a non-trainable parameter's partition quantized, now that it holds its values
-            if not param.requires_grad and self.quantized_nontrainable_weights and not hasattr(
-                    param.ds_tensor, "ds_quant_scale"):
+''', '''            # quantized only after the copy: the scales must come from the values
+            if quantize:
                 param.ds_tensor = _quantized_partition(self.quantizer_module, param.ds_tensor)
 
             #print(f"Remote device {self.remote_device}")
@@ -284,26 +283,24 @@ REPLACEMENTS = (
 ''', '''                if sec_numel > 0:
                     param.ds_secondary_tensor.narrow(0, 0, sec_numel).copy_(
                         one_dim_param.narrow(0, secondary_start, sec_numel))
-            # keep a non-trainable parameter's secondary partition quantized, now that it holds its values,
-            # in the primary's format once the primary exists: the fetch takes it from the primary, and a
-            # parameter frozen after its primary was made keeps a plain one (the first time, _partition
-            # makes the secondary before the primary: the primary's rule)
-            if getattr(param, "ds_tensor", None) is not None:
-                quantize = hasattr(param.ds_tensor, "ds_quant_scale")
-            else:
-                quantize = not param.requires_grad and self.quantized_nontrainable_weights
-            if quantize and not hasattr(param.ds_secondary_tensor, "ds_quant_scale"):
+            # as in _partition_param, quantized only after the copy
+            if quantize:
                 param.ds_secondary_tensor = _quantized_partition(self.quantizer_module, param.ds_secondary_tensor)
 '''),
-    # An update of a partition kept quantized (a frozen weight changed in place, e.g. under
-    # GatheredParameters): its values go into floats, not into the int8 codes, which would truncate
-    # them; they are quantized again after the copy while the weight is still frozen.
+    # Which partitions are kept quantized (the rules of the series' 0002 and 0006): a new one if its
+    # parameter is frozen; an updated one (a frozen weight changed in place) keeps its format, its
+    # values copied into floats first (into the int8 codes they would be truncated).
     ('''                param.ds_numel_aligned = tensor_size
 
             start = partition_size * self._partition_rank(param)
 ''', '''                param.ds_numel_aligned = tensor_size
-            elif hasattr(param.ds_tensor, "ds_quant_scale"):
-                param.ds_tensor = _float_partition(param.ds_tensor, partition_size, param.dtype)
+                # an NVMe partition is swapped out from its buffer, which holds the parameter's dtype
+                quantize = (not param.requires_grad and self.quantized_nontrainable_weights
+                            and final_location != OffloadDeviceEnum.nvme)
+            else:
+                quantize = hasattr(param.ds_tensor, "ds_quant_scale")
+                if quantize:
+                    param.ds_tensor = _float_partition(param.ds_tensor, partition_size, param.dtype)
 
             start = partition_size * self._partition_rank(param)
 '''),
@@ -311,9 +308,18 @@ REPLACEMENTS = (
 
             #use rank in group for secondary tensor
 ''', '''                param.ds_secondary_tensor.final_location = final_location
-            elif hasattr(param.ds_secondary_tensor, "ds_quant_scale"):
-                param.ds_secondary_tensor = _float_partition(param.ds_secondary_tensor, secondary_partition_size,
-                                                             param.dtype)
+                # The fetch takes the format from the primary: once it exists, follow it (a parameter
+                # frozen after its primary was made keeps a plain one). The first time, _partition makes
+                # the secondary before the primary: the primary's rule.
+                if getattr(param, "ds_tensor", None) is not None:
+                    quantize = hasattr(param.ds_tensor, "ds_quant_scale")
+                else:
+                    quantize = not param.requires_grad and self.quantized_nontrainable_weights
+            else:
+                quantize = hasattr(param.ds_secondary_tensor, "ds_quant_scale")
+                if quantize:
+                    param.ds_secondary_tensor = _float_partition(param.ds_secondary_tensor,
+                                                                 secondary_partition_size, param.dtype)
 
             #use rank in group for secondary tensor
 '''),
@@ -348,8 +354,8 @@ def _quantized_partition(quantizer, partition):
 
 def _float_partition(codes, size, dtype):
     """An empty partition of `size` values of `dtype` in place of one kept quantized (`codes`),
-    carrying its attributes: an update's values are copied into it, then quantized again."""
-    partition = torch.empty(size, dtype=dtype, device=codes.device)
+    carrying its attributes: an update's values are copied into it, then quantized."""
+    partition = codes.new_empty(size, dtype=dtype)  # not torch.empty, which zero.Init recasts
     for attribute in ("ds_numel", "status", "final_location"):
         if hasattr(codes, attribute):
             setattr(partition, attribute, getattr(codes, attribute))

@@ -65,6 +65,13 @@ done
 # tests too (the qgZ ones use the series' own definitions, such as 0005's bound on an exchange, which
 # the overlay's collective does not have)
 say "series: every pull request's qwZ tests, on DeepSpeed 0.19.8 with the overlay (what users install)"
+# the overlay installed in the environment must be this checkout's (scripts/setup_env.sh installs it)
+INSTALLED=$(cd "$WORK" && DS_QGZ_OVERLAY=0 python -c 'import deepspeed_qgz, os; print(os.path.dirname(deepspeed_qgz.__file__))')
+for file in $(cd "$ROOT" && git ls-files deepspeed_qgz deepspeed | grep '\.py$'); do
+    installed=$INSTALLED/${file#deepspeed_qgz/}
+    [ "${file%%/*}" = deepspeed ] && installed=$INSTALLED/tree/$file
+    cmp -s "$ROOT/$file" "$installed" || { say "series: $installed is not this checkout's $file (pip install --no-deps $ROOT)"; exit 1; }
+done
 (cd "$WORK/tests" && DS_QGZ_OVERLAY=1 PYTHONPATH="$ROOT/scripts" python -m pytest -p no:cacheprovider -q -rfE \
     unit/test_series_zeropp.py "$@")
 say "series: every pull request checked"
