@@ -318,8 +318,8 @@ REPLACEMENTS = (
             else:
                 quantize = hasattr(param.ds_secondary_tensor, "ds_quant_scale")
                 if quantize:
-                    param.ds_secondary_tensor = _float_partition(param.ds_secondary_tensor,
-                                                                 secondary_partition_size, param.dtype)
+                    param.ds_secondary_tensor = _float_partition(param.ds_secondary_tensor, secondary_partition_size,
+                                                                 param.dtype)
 
             #use rank in group for secondary tensor
 '''),
