@@ -66,12 +66,24 @@ done
 # the overlay's collective does not have)
 say "series: every pull request's qwZ tests, on DeepSpeed 0.19.8 with the overlay (what users install)"
 # the overlay installed in the environment must be this checkout's (scripts/setup_env.sh installs it)
-INSTALLED=$(cd "$WORK" && DS_QGZ_OVERLAY=0 python -c 'import deepspeed_qgz, os; print(os.path.dirname(deepspeed_qgz.__file__))')
-for file in $(cd "$ROOT" && git ls-files deepspeed_qgz deepspeed | grep '\.py$'); do
-    installed=$INSTALLED/${file#deepspeed_qgz/}
-    [ "${file%%/*}" = deepspeed ] && installed=$INSTALLED/tree/$file
-    cmp -s "$ROOT/$file" "$installed" || { say "series: $installed is not this checkout's $file (pip install --no-deps $ROOT)"; exit 1; }
-done
+(cd "$WORK" && DS_QGZ_OVERLAY=0 python - "$ROOT" <<'PY'
+import subprocess
+import sys
+from pathlib import Path
+
+import deepspeed_qgz
+from deepspeed_qgz import installed_path
+
+root, package = Path(sys.argv[1]), Path(deepspeed_qgz.__file__).parent
+files = subprocess.run(["git", "-C", str(root), "ls-files", "deepspeed_qgz", "deepspeed", "op_builder", "csrc"],
+                       capture_output=True, text=True, check=True).stdout.split()
+stale = [path for path in files if (root / path).read_bytes() != (
+    package / path.removeprefix("deepspeed_qgz/") if path.startswith("deepspeed_qgz/") else package / "tree" /
+    installed_path(path)).read_bytes()]
+if stale:
+    sys.exit(f"series: the installed overlay is not this checkout's ({stale}): pip install --no-deps {root}")
+PY
+)
 (cd "$WORK/tests" && DS_QGZ_OVERLAY=1 PYTHONPATH="$ROOT/scripts" python -m pytest -p no:cacheprovider -q -rfE \
     unit/test_series_zeropp.py "$@")
 say "series: every pull request checked"

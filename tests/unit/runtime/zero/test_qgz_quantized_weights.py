@@ -121,6 +121,7 @@ def test_updated_partitions_keep_one_format(monkeypatch, requires_grad_steps):
                            _partition_rank=lambda _: 3)
     init._partition_param = lambda *args, **kwargs: pp.Init._partition_param(init, *args, **kwargs)
     init._partition_param_sec = lambda *args, **kwargs: pp.Init._partition_param_sec(init, *args, **kwargs)
+    torch.manual_seed(0)
     param = torch.nn.Parameter(torch.zeros(4095, dtype=torch.float16))
     param.ds_tensor, param.ds_secondary_tensor, param.ds_numel, param.ds_id = None, None, 4095, 0
     param.ds_persist, param.ds_active_sub_modules, param.ds_shape = False, set(), param.shape
