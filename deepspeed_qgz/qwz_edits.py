@@ -386,4 +386,28 @@ def _float_partition(codes, size, dtype):
                 continue
             param.data = gathered_tensor.narrow(0, 0, param.ds_numel).view(param.ds_shape).data
 '''),
+    # The blocking one-by-one gather of a parameter kept quantized (GatheredParameters of one
+    # parameter): its codes are padded to whole groups.
+    ('''        for param in param_list:
+            partition_size = param.ds_tensor.ds_numel
+            partition_world_size = self._partition_world_size(param)
+            partition_rank = self._partition_rank(param)
+''', '''        for param in param_list:
+            partition_size = param.ds_tensor.ds_numel
+            if hasattr(param.ds_tensor, "ds_quant_scale"):
+                partition_size = param.ds_tensor.numel()
+            partition_world_size = self._partition_world_size(param)
+            partition_rank = self._partition_rank(param)
+'''),
+    ('''                flat_tensor = self.quantizer_module.dequantize(flat_tensor, flat_scale_tensor, dtype=param.dtype)
+
+            param.data = flat_tensor.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+''', '''                values = self.quantizer_module.dequantize(flat_tensor, flat_scale_tensor, dtype=param.dtype)
+                param.data = self.quantizer_module.gathered_param(
+                    values, self.quantizer_module.layout([param.ds_tensor.ds_numel]), 0, param,
+                    partition_world_size).data
+                continue
+
+            param.data = flat_tensor.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+'''),
 )
