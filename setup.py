@@ -56,6 +56,11 @@ class BuildWithOverlay(build_py):
             target = build_lib / "deepspeed_qgz" / "tree" / installed
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)  # keeps mtimes: a reinstall does not invalidate JIT-built ops
+        # the pull-request series, whose hunks the overlay applies to the files it edits (series.py)
+        shutil.rmtree(build_lib / "deepspeed_qgz" / "series", ignore_errors=True)
+        (build_lib / "deepspeed_qgz" / "series").mkdir()
+        for patch in sorted((ROOT / "upstream").glob("*.patch")):
+            shutil.copy2(patch, build_lib / "deepspeed_qgz" / "series" / patch.name)
         (build_lib / "deepspeed_qgz.pth").write_text("import deepspeed_qgz._startup\n")
 
 

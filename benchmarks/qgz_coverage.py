@@ -14,17 +14,18 @@ Weights (qwZ): the share of a model's weight elements DeepSpeed 0.19.8's quantiz
 take, each parameter gathered alone (its partition ceil(numel / world) must be a multiple of 8
 that its group search splits into groups below 16000 values, else an AssertionError stops
 training), and of that the share whose quantize call leaves the contract; against the patch's
-(every parameter) and the padding its layout (quantized_weights.py) adds to the all-gather.
+(every parameter) and the padding the series' quantizer (upstream/0008, 0009) adds to the all-gather.
 
     python benchmarks/qgz_coverage.py
 """
 
 import math
+import torch
 
 from deepspeed.ops.quantizer.qgz_contract import (SYMMETRIC, quantize_violations, quantized_reduction_violations,
                                                   swizzle_quant_violations)
 from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout, resolve_group_size
-from deepspeed.runtime.zero.quantized_weights import quantized_weight_layout
+from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
 
 
 def llama2_7b():
@@ -86,6 +87,24 @@ def upstream_weight_groups(partition):
     return groups
 
 
+def series_padding(partition):
+    """The values the series' CUDAQuantizer.quantize (upstream/0008, 0009) adds to a partition of
+    `partition` values: the length of its codes, from a stand-in op that returns its input."""
+
+    class ReturnsInput:
+        Symmetric = 0
+
+        def quantize(self, values, groups, num_bits, quant_type):
+            return values, None
+
+    saved, CUDAQuantizer.quantizer_cuda_module = CUDAQuantizer.quantizer_cuda_module, ReturnsInput()
+    try:
+        codes, _ = CUDAQuantizer().quantize(torch.empty(partition, dtype=torch.half))
+    finally:
+        CUDAQuantizer.quantizer_cuda_module = saved
+    return codes.numel() - partition
+
+
 def weight_coverage(shapes, nodes, devices):
     world = nodes * devices
     total = sum(numel(s) for s in shapes)
@@ -97,8 +116,7 @@ def weight_coverage(shapes, nodes, devices):
             handled += numel(shape)
             if quantize_violations(partition, groups, 8):
                 broken += numel(shape)
-    layout = quantized_weight_layout(tuple(math.ceil(numel(s) / world) for s in shapes))
-    padding = world * (layout.padded_partition - sum(layout.numels))
+    padding = world * sum(series_padding(math.ceil(numel(s) / world)) for s in shapes)
     return handled / total, broken / total, padding / total
 
 

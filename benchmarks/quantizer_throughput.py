@@ -20,7 +20,10 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.quantizer import qgz_reference as ref
 from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
 from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout, resolve_group_size
-from deepspeed.runtime.zero.quantized_weights import WEIGHT_BITS, WEIGHT_GROUP_SIZE
+from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
+
+# qwZ's weights: int8, in groups of up to CUDAQuantizer's target size
+WEIGHT_BITS, WEIGHT_GROUP_SIZE = 8, CUDAQuantizer.target_group_size
 
 
 def median_seconds(fn, repeats):

@@ -11,7 +11,7 @@ so a DeepSpeed release that moved the code fails loudly instead of loading half 
 from dataclasses import dataclass
 from typing import Tuple
 
-from . import qwz_edits
+from .series import series_edits
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,9 @@ EDITS: Tuple[Edit, ...] = (
          "future\nhypothesis\nimportlib-metadata>=4\n"),
 )
 
-EDITS += tuple(Edit(qwz_edits.PATH, old, new) for old, new in qwz_edits.REPLACEMENTS)
+# ZeRO-3's quantized weights (qwZ): the pull requests' own hunks of partition_parameters.py, in order
+QWZ_PATH = "deepspeed/runtime/zero/partition_parameters.py"
+EDITS += tuple(Edit(QWZ_PATH, old, new) for _, old, new in series_edits(QWZ_PATH))
 
 
 def edited_paths(in_package: bool = True) -> Tuple[str, ...]:

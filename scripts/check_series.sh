@@ -27,6 +27,9 @@ pip download -q --no-deps --no-binary :all: -d "$WORK" deepspeed==0.19.8
 tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK"
 TREE=$WORK/deepspeed-0.19.8
 python "$ROOT/scripts/series.py" stand-in "$TREE"
+# 0.19.8's partition_parameters.py, before the series, for the overlay's edits (below)
+mkdir -p "$TREE.orig/deepspeed/runtime/zero"
+cp "$TREE/deepspeed/runtime/zero/partition_parameters.py" "$TREE.orig/deepspeed/runtime/zero/"
 git -C "$TREE" init -q
 cp -r "$ROOT/project_tests/deepspeed_tests_stand_in" "$WORK/tests"
 # The stand-in tree is imported from source (the overlay off); one OpenMP thread per process.
@@ -80,10 +83,32 @@ files = subprocess.run(["git", "-C", str(root), "ls-files", "deepspeed_qgz", "de
 stale = [path for path in files if (root / path).read_bytes() != (
     package / path.removeprefix("deepspeed_qgz/") if path.startswith("deepspeed_qgz/") else package / "tree" /
     installed_path(path)).read_bytes()]
+# the series the overlay applies (deepspeed_qgz/series.py) is this checkout's upstream/
+patches = sorted(p.name for p in (root / "upstream").glob("*.patch"))
+if sorted(p.name for p in (package / "series").glob("*.patch")) != patches:
+    stale.append("upstream/")
+stale += [f"upstream/{name}" for name in patches
+          if (root / "upstream" / name).read_bytes() != (package / "series" / name).read_bytes()]
 if stale:
     sys.exit(f"series: the installed overlay is not this checkout's ({stale}): pip install --no-deps {root}")
 PY
 )
 (cd "$WORK/tests" && DS_QGZ_OVERLAY=1 PYTHONPATH="$ROOT/scripts" python -m pytest -p no:cacheprovider -q -rfE \
     unit/test_series_zeropp.py "$@")
+# One source of truth: the overlay edits ZeRO-3's partition_parameters.py with the series' own hunks
+# (deepspeed_qgz/series.py); its result on 0.19.8's file must be the stand-in's after the last pull request
+say "series: the overlay's partition_parameters.py is the series' (what users install is what DeepSpeed is asked to take)"
+(cd "$WORK" && DS_QGZ_OVERLAY=0 python - "$TREE" <<'PY'
+import sys
+from pathlib import Path
+
+from deepspeed_qgz.upstream_edits import QWZ_PATH, apply_edits
+
+tree = Path(sys.argv[1])
+original = Path(sys.argv[1] + ".orig") / QWZ_PATH
+if apply_edits(QWZ_PATH, original.read_text()) != (tree / QWZ_PATH).read_text():
+    sys.exit(f"series: the overlay's {QWZ_PATH} differs from the series' result")
+print(f"series: the overlay's {QWZ_PATH} is the series' result, byte for byte")
+PY
+)
 say "series: every pull request checked"

@@ -443,13 +443,17 @@ std::vector<at::Tensor> quantize(at::Tensor& input, int num_groups, int num_bits
                 "): the CUDA kernel's warp shuffles would read lanes that do not exist");
     auto sizes = input.sizes().vec();
     sizes.back() /= 8 / num_bits;
-    return quantize_groups(input,
-                           sizes,
-                           num_groups,
-                           quantize_has_idle_lanes(elems),
-                           num_bits,
-                           type,
-                           [](int64_t group) { return group; });
+    auto result = quantize_groups(input,
+                                  sizes,
+                                  num_groups,
+                                  quantize_has_idle_lanes(elems),
+                                  num_bits,
+                                  type,
+                                  [](int64_t group) { return group; });
+    // The params flat, unlike the CUDA op's [groups, width]: ZeRO-3's quantized gathers all-gather
+    // them into a flat buffer, which gloo refuses from another shape (NCCL counts elements).
+    result[1] = result[1].view({-1});
+    return result;
 }
 
 std::vector<at::Tensor> swizzle_quant(at::Tensor& input,
