@@ -6,7 +6,8 @@
 # (some may pass: they guard what it must keep; the first failure ends that run), its source hunks
 # apply with git apply, and DeepSpeed's hooks pass on what it changes; after the last, every pull
 # request's tests pass (each one's after itself is run on DeepSpeed's harness: docs/upstreaming.md),
-# and the qwZ ones on DeepSpeed 0.19.8 with the overlay too.
+# and the qwZ ones on DeepSpeed 0.19.8 with the overlay too; and the overlay's partition_parameters.py
+# (the series' own hunks on 0.19.8's file) is the series' result, byte for byte.
 # DeepSpeed's own test modules are not in the source distribution: the tests the series adds to each
 # of them run as a module of their own (up to the pull request checked), on the DistributedTest
 # stand-in, with LOCAL_SIZE=10
