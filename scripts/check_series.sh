@@ -28,9 +28,10 @@ pip download -q --no-deps --no-binary :all: -d "$WORK" deepspeed==0.19.8
 tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK"
 TREE=$WORK/deepspeed-0.19.8
 python "$ROOT/scripts/series.py" stand-in "$TREE"
-# 0.19.8's partition_parameters.py, before the series, for the overlay's edits (below)
-mkdir -p "$TREE.orig/deepspeed/runtime/zero"
+# the files the series changes, before it, for the overlay's reading of its hunks (below)
+mkdir -p "$TREE.orig/deepspeed/runtime/zero" "$TREE.orig/deepspeed/runtime/comm"
 cp "$TREE/deepspeed/runtime/zero/partition_parameters.py" "$TREE.orig/deepspeed/runtime/zero/"
+cp "$TREE/deepspeed/runtime/comm/coalesced_collectives.py" "$TREE.orig/deepspeed/runtime/comm/"
 git -C "$TREE" init -q
 cp -r "$ROOT/project_tests/deepspeed_tests_stand_in" "$WORK/tests"
 # The stand-in tree is imported from source (the overlay off); one OpenMP thread per process.
@@ -103,6 +104,7 @@ say "series: the overlay's partition_parameters.py is the series' (what users in
 import sys
 from pathlib import Path
 
+from deepspeed_qgz.series import series_edits
 from deepspeed_qgz.upstream_edits import QWZ_PATH, apply_edits
 
 tree = Path(sys.argv[1])
@@ -110,6 +112,17 @@ original = Path(sys.argv[1] + ".orig") / QWZ_PATH
 if apply_edits(QWZ_PATH, original.read_text()) != (tree / QWZ_PATH).read_text():
     sys.exit(f"series: the overlay's {QWZ_PATH} differs from the series' result")
 print(f"series: the overlay's {QWZ_PATH} is the series' result, byte for byte")
+# the overlay's reading of the series (series.py) on its other file too, which the overlay does not
+# edit yet (its own coalesced_collectives.py replaces it): each hunk found once, the series' result
+path = "deepspeed/runtime/comm/coalesced_collectives.py"
+text = (Path(sys.argv[1] + ".orig") / path).read_text()
+for patch, old, new in series_edits(path):
+    if text.count(old) != 1:
+        sys.exit(f"series: a hunk of {patch} found {text.count(old)} times in {path}")
+    text = text.replace(old, new)
+if text != (tree / path).read_text():
+    sys.exit(f"series: its hunks of {path}, as the overlay reads them, do not give the series' result")
+print(f"series: the series' hunks of {path}, as the overlay reads them, give its result")
 PY
 )
 say "series: every pull request checked"
