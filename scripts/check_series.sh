@@ -40,12 +40,11 @@ run_tests() { (cd "$WORK/tests" && python -m pytest -p no:cacheprovider -q -rfE 
 PATCHES=("$ROOT"/upstream/*.patch)
 for patch in "${PATCHES[@]}"; do
     name=$(basename "$patch" .patch)
-    module=unit/$(python "$ROOT/scripts/series.py" tests "$patch" "$WORK/tests/unit")
-    # the tests it adds (the earlier pull requests' pass there), or the module's where it changes
+    mapfile -t MODULES < <(python "$ROOT/scripts/series.py" tests "$patch" "$WORK/tests/unit")
+    # the tests it adds (the earlier pull requests' pass there), and each module where it changes
     # earlier tests instead; one failure is the verdict: the run stops there
-    mapfile -t OWN < <(python "$ROOT/scripts/series.py" own "$patch")
-    TARGETS=("${OWN[@]/#/$module::}")
-    [ "${#TARGETS[@]}" -gt 0 ] || TARGETS=("$module")
+    mapfile -t TARGETS < <(python "$ROOT/scripts/series.py" own "$patch")
+    TARGETS=("${TARGETS[@]/#/unit/}")
     say "series: $name: its tests before it (they must fail)"
     status=0
     run_tests --tb=line --maxfail=1 "${TARGETS[@]}" "$@" || status=$?
@@ -63,8 +62,8 @@ for patch in "${PATCHES[@]}"; do
     fi
     say "series: $name: DeepSpeed's hooks on the files it changes"
     (cd "$TREE" && bash "$ROOT/scripts/deepspeed_hooks.sh" "${FILES[@]}")
-    # the added test lines, as the module above holds them (its header's imports may go unused)
-    (cd "$WORK/tests" && bash "$ROOT/scripts/deepspeed_hooks.sh" --unused-imports "$module")
+    # the added test lines, as the modules above hold them (their headers' imports may go unused)
+    (cd "$WORK/tests" && bash "$ROOT/scripts/deepspeed_hooks.sh" --unused-imports "${MODULES[@]/#/unit/}")
 done
 # What users install today, DeepSpeed 0.19.8 with this repository's overlay, must pass the series' qwZ
 # tests too (the qgZ ones use the series' own definitions, such as 0005's bound on an exchange, which

@@ -6,13 +6,15 @@
 
   python scripts/series.py stand-in DIR      DIR: an unpacked DeepSpeed 0.19.8 source distribution,
                                              made into a stand-in for master (below)
-  python scripts/series.py tests PATCH DIR   the tests PATCH and the patches before it add to PATCH's
-                                             test module (or change there), as one module in DIR that
-                                             runs beside the DistributedTest stand-in; prints its name
+  python scripts/series.py tests PATCH DIR   the tests PATCH and the patches before it add to each of
+                                             PATCH's test modules (or change there), each as one module
+                                             in DIR that runs beside the DistributedTest stand-in;
+                                             prints their names, one a line
   python scripts/series.py own PATCH         the tests PATCH itself adds (its top-level test classes and
-                                             functions), one name a line; none where it changes others'
-  python scripts/series.py source PATCH OUT  PATCH without its hunks of tests/ (what applies to a
-                                             source distribution, which ships no tests)
+                                             functions), one MODULE::NAME a line, and each module where
+                                             it adds none but changes others'
+  python scripts/series.py source PATCH OUT  PATCH without its hunks of tests/ and docs/ (what applies
+                                             to a source distribution, which ships neither)
   python scripts/series.py sizes             each patch's source and test lines, as its message,
                                              the README and docs/PULL_REQUEST.md state them
 
@@ -58,6 +60,7 @@ from unit.common import DistributedTest
 ''',
     "tests/unit/runtime/zero/test_zeropp.py":
     '''import pytest
+import deepspeed.comm as dist
 import torch
 import torch.nn as nn
 
@@ -65,6 +68,7 @@ from unit.common import DistributedTest
 
 import deepspeed
 
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer, Init, ZeroParamStatus
 ''',
 }
@@ -88,8 +92,13 @@ def file_diffs(patch_text):
 
 
 def is_test(path: str) -> bool:
-    """A patch's test files are those under tests/; the rest is its source."""
+    """A patch's test files are those under tests/; the rest is its source, but for its documentation."""
     return path.startswith("tests/")
+
+
+def is_docs(path: str) -> bool:
+    """A patch's documentation (DeepSpeed's docs/, which a source distribution does not ship): neither."""
+    return path.startswith("docs/")
 
 
 def blob_id(data: bytes) -> str:
@@ -132,14 +141,37 @@ def test_hunks(patch: Path):
     }
 
 
+def module_name(path: str) -> str:
+    """The name of the module that runs the series' tests of DeepSpeed's test module `path`."""
+    return f"test_series_{Path(path).stem.removeprefix('test_')}.py"
+
+
+def _placed(lines, hunk):
+    """The hunk, less as few of its outer context lines as leave its lines before it once among `lines`
+    (the context git shows may reach into master's own tests, which `lines` does not hold); the hunk
+    itself where there are none such."""
+    changed = [i for i, line in enumerate(hunk) if line[0] in "+-"]
+    first, last = changed[0], changed[-1] + 1
+    for trimmed in range(first + len(hunk) - last + 1):
+        for lead in range(max(0, trimmed - (len(hunk) - last)), min(trimmed, first) + 1):
+            part = hunk[lead:len(hunk) - (trimmed - lead)]
+            before = [line[1:] for line in part if line[0] in " -"]
+            if before and len(_find(lines, before)) == 1:
+                return part
+    return hunk
+
+
 def tests(patch: Path, out_dir: Path):
     modules = test_hunks(patch)
-    if len(modules) != 1:
-        sys.exit(
-            f"tests: {patch.name} changes the tests of {sorted(modules) or 'no file'}; one test module is supported")
-    (path, _), = modules.items()
-    if path not in TEST_MODULE_IMPORTS:
-        sys.exit(f"tests: {patch.name} adds tests to {path}, whose imports series.py does not know")
+    if not modules:
+        sys.exit(f"tests: {patch.name} changes no test module")
+    for path in modules:
+        if path not in TEST_MODULE_IMPORTS:
+            sys.exit(f"tests: {patch.name} adds tests to {path}, whose imports series.py does not know")
+        _module_tests(patch, path, out_dir)
+
+
+def _module_tests(patch: Path, path: str, out_dir: Path):
     series = sorted(patch.parent.glob("*.patch"))
     # The series' lines of the module, patch by patch: a hunk whose lines before it are among them (a
     # later patch changing an earlier one's test) is applied there; one that adds lines next to master's
@@ -147,6 +179,7 @@ def tests(patch: Path, out_dir: Path):
     lines = []
     for earlier in series[:series.index(patch) + 1]:
         for hunk in test_hunks(earlier).get(path, []):
+            hunk = _placed(lines, hunk)
             before = [line[1:] for line in hunk if line[0] in " -"]
             after = [line[1:] for line in hunk if line[0] in " +"]
             places = _find(lines, before)
@@ -158,17 +191,18 @@ def tests(patch: Path, out_dir: Path):
                 block = "\n".join(line[1:] for line in hunk if line[0] == "+").strip("\n").split("\n")
                 lines += ["", ""] + block if lines else block
     header = TEST_MODULE_HEADER.format(patch=patch.name, path=path) + TEST_MODULE_IMPORTS[path]
-    out = out_dir / f"test_series_{Path(path).stem.removeprefix('test_')}.py"
+    out = out_dir / module_name(path)
     out.write_text(header + "\n\n" + "\n".join(lines) + "\n")
     print(out.name)
 
 
 def own(patch: Path):
-    """The tests a patch adds (none where it changes an earlier patch's instead)."""
-    for hunks in test_hunks(patch).values():
+    """The tests a patch adds, and each module where it adds none (it changes an earlier patch's)."""
+    for path, hunks in test_hunks(patch).items():
         added = "\n".join(line[1:] for hunk in hunks for line in hunk if line[0] == "+")
-        for name in re.findall(r"^(?:class (Test\w+)|def (test_\w+))", added, re.MULTILINE):
-            print("".join(name))
+        names = ["".join(name) for name in re.findall(r"^(?:class (Test\w+)|def (test_\w+))", added, re.MULTILINE)]
+        for name in names or [None]:
+            print(module_name(path) + (f"::{name}" if name else ""))
 
 
 def sizes(root: Path):
@@ -179,7 +213,7 @@ def sizes(root: Path):
         counts = {True: [0, 0], False: [0, 0]}  # is a test file: [added, removed]
         for path, hunks in file_diffs(text).items():
             for line in (line for hunk in hunks for line in hunk):
-                if line[0] in "+-":
+                if line[0] in "+-" and not is_docs(path):
                     counts[is_test(path)][line[0] == "-"] += 1
         source_lines, test_lines = (f"+{added} -{removed}" if removed else f"+{added}"
                                     for added, removed in (counts[False], counts[True]))
@@ -198,7 +232,8 @@ def source(patch: Path, out: Path):
     kept, keep = [], True
     for line in patch.read_text().splitlines(keepends=True):
         if line.startswith("diff --git "):
-            keep = not is_test(line.split(" b/", 1)[1])
+            path = line.split(" b/", 1)[1]
+            keep = not is_test(path) and not is_docs(path)
         if keep:
             kept.append(line)
     out.write_text("".join(kept))
