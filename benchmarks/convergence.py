@@ -14,7 +14,8 @@ runs pair step by step. Runs (one torchrun job runs them one after the other):
   off              zero_quantized_gradients false (the bf16 reduce-scatter)
   qgz-4/4          qgZ, int4 inside and across nodes, groups of at most 136 values (the config keys
                    zero_quantized_gradients_intra_node_bits 4, _group_size 136)
-  qgz-8/4          qgZ, int8 inside the node, int4 across, groups of at most 136 values (the defaults)
+  qgz-8/4          qgZ, int8 inside the node, int4 across, groups of at most 136 values (the default
+                   group size; zero_quantized_gradients_intra_node_bits 8)
   ... first quantization clamped   study variants: the first quantization (inside the node) with
                    the kernels' formula, a group's positive absmax clamped from the largest code
                    plus one, instead of clamp-free

@@ -41,7 +41,7 @@ def test_report_training_3_nodes_x_2(cpu_quantizer):
     # zero_quantized_gradients_fused's default, "auto", decided once, on this CPU without
     # Triton's interpreter DeepSpeed's kernels, saying why; qgZ off decides nothing
     assert qgz["fused_choices"] == [
-        'qgZ zero_quantized_gradients_fused "auto" (bfloat16, 8/4 bits, groups of 136, 3 x 2 ranks, on cpu): '
+        'qgZ zero_quantized_gradients_fused "auto" (bfloat16, 4/4 bits, groups of 136, 3 x 2 ranks, on cpu): '
         "DeepSpeed's kernels (the fused kernels cannot run here: on CPU tensors the fused kernels run only in "
         "Triton's interpreter, for tests: TRITON_INTERPRET=1 must be set before "
         "deepspeed.runtime.comm.quantized_fused is first imported)"

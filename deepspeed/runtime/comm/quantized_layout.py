@@ -70,7 +70,8 @@ from deepspeed.ops.quantizer.qgz_contract import SWIZZLE_MAX_GROUP_ELEMS, VECTOR
 # The inter-node exchange always carries int4 codes; the intra-node exchange int4 or int8.
 INTER_NODE_BITS = 4
 INTRA_NODE_BITS = (4, 8)
-DEFAULT_INTRA_NODE_BITS = 8
+# int4 inside the node by default: DeepSpeed's wire format, which the series' option (0011) keeps
+DEFAULT_INTRA_NODE_BITS = 4
 SCALE_BYTES = 4
 
 # The smallest group quantized_reduction reduces with a whole warp (see the module docstring).
