@@ -9,7 +9,7 @@ series asks DeepSpeed to take, from the same patch files."""
 
 from functools import lru_cache
 from pathlib import Path
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 _HERE = Path(__file__).resolve().parent
 
@@ -20,29 +20,35 @@ def series_dir() -> Path:
     return packaged if packaged.is_dir() else _HERE.parent / "upstream"
 
 
-def hunks(patch_text: str, path: str) -> List[Tuple[str, str]]:
-    """(old, new) for each hunk of `patch_text` (a git format-patch file) that changes `path`: its
-    context and removed lines, and its context and added lines, as many as its header counts."""
-    found, in_path, old_left, new_left, old, new = [], False, 0, 0, [], []
-    for line in patch_text.splitlines(keepends=True):
+def file_diffs(patch_text: str) -> Dict[str, List[List[str]]]:
+    """{path: [hunk, ...]} of a git format-patch file, each hunk its body lines, tagged ' ', '-' or '+'
+    and without their line ends, as many as its header counts."""
+    diffs, hunk, old_left, new_left = {}, None, 0, 0
+    for line in patch_text.splitlines():
         if old_left or new_left:
-            tag, text = line[:1], line[1:]
-            if tag in " -":
-                old.append(text)
-                old_left -= 1
-            if tag in " +":
-                new.append(text)
-                new_left -= 1
-            if not (old_left or new_left) and in_path:
-                found.append(("".join(old), "".join(new)))
+            line = line or " "  # an empty context line whose blank was stripped
+            hunk.append(line)
+            old_left -= line[0] in " -"
+            new_left -= line[0] in " +"
         elif line.startswith("diff --git "):
-            in_path = line.split()[2] == f"a/{path}"
+            hunks_of_path = diffs.setdefault(line.split(" b/", 1)[1], [])
         elif line.startswith("@@ "):
             # @@ -start[,count] +start[,count] @@: a count left out is 1
             old_range, new_range = line.split()[1:3]
             old_left, new_left = (int((r.split(",") + ["1"])[1]) for r in (old_range, new_range))
-            old, new = [], []
-    return found
+            hunk = []
+            hunks_of_path.append(hunk)
+    return diffs
+
+
+def hunks(patch_text: str, path: str) -> List[Tuple[str, str]]:
+    """(old, new) for each hunk of `patch_text` that changes `path`: its context and removed lines,
+    and its context and added lines."""
+
+    def text(hunk, tags):
+        return "".join(line[1:] + "\n" for line in hunk if line[0] in tags)
+
+    return [(text(hunk, " -"), text(hunk, " +")) for hunk in file_diffs(patch_text).get(path, [])]
 
 
 @lru_cache(maxsize=None)

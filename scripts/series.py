@@ -34,6 +34,10 @@ import re
 import sys
 from pathlib import Path
 
+# the patches read as the overlay reads them (deepspeed_qgz/series.py, installed from this checkout:
+# check_series.sh checks that it is)
+from deepspeed_qgz.series import file_diffs
+
 MASTER = "17b3b557120923866d02a45dc0598d8688303e0a"
 # git blob ids of master's files that the stand-in must reproduce
 MASTER_BLOBS = {"deepspeed/runtime/comm/coalesced_collectives.py": "1b7153e73c6d26a7efe6dc8973876e16e5a7be9b"}
@@ -72,23 +76,6 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer, Init, ZeroParamStatus
 ''',
 }
-
-
-def file_diffs(patch_text):
-    """{path: [hunk, ...]} of a git patch, each hunk a list of its body lines (' ', '-', '+' prefixed)."""
-    diffs, path, hunk = {}, None, None
-    for line in patch_text.splitlines():
-        if line.startswith("diff --git "):
-            path, hunk = line.split(" b/", 1)[1], None
-            diffs[path] = []
-        elif path and line.startswith("@@ "):
-            hunk = []
-            diffs[path].append(hunk)
-        elif line == "-- ":  # format-patch's signature
-            hunk = None
-        elif hunk is not None and line[:1] in (" ", "-", "+", ""):
-            hunk.append(line if line else " ")
-    return diffs
 
 
 def is_test(path: str) -> bool:
