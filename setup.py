@@ -72,7 +72,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.9",  # torch >= 2.0 and deepspeed 0.19.8: requirements/requirements.txt
-    packages=["deepspeed_qgz"],
+    packages=["deepspeed_qgz", "deepspeed_qgz.qgz"],
     install_requires=(ROOT / "requirements" / "requirements.txt").read_text().split(),
     cmdclass={"build_py": BuildWithOverlay},
     zip_safe=False,

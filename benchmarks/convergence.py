@@ -2,8 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Does qgZ train as well as the unquantized reduce-scatter, and with which intra-node precision
-and quantization group size?
+"""Does qgZ train as well as the unquantized reduce-scatter, and with which of its options?
 
 A byte-level GPT (plain PyTorch, 4 layers, width 256, context 64) is trained from scratch with
 DeepSpeed ZeRO-3 in bf16 on 3 nodes x 2 processes (three torchrun agents on one machine), on real
@@ -12,14 +11,11 @@ for validation. Every run uses the same seeds, initial weights and batches, so q
 runs pair step by step. Runs (one torchrun job runs them one after the other):
 
   off              zero_quantized_gradients false (the bf16 reduce-scatter)
-  qgz-4/4          qgZ, int4 inside and across nodes, groups of at most 136 values (the config keys
-                   zero_quantized_gradients_intra_node_bits 4, _group_size 136)
-  qgz-8/4          qgZ, int8 inside the node, int4 across, groups of at most 136 values (the default
-                   group size; zero_quantized_gradients_intra_node_bits 8)
-  ... first quantization clamped   study variants: the first quantization (inside the node) with
-                   the kernels' formula, a group's positive absmax clamped from the largest code
-                   plus one, instead of clamp-free
-  qgz-8/4-256      qgZ 8/4 with groups of at most 256 values
+  qgz-4/4          qgZ with its defaults: int4 inside and across nodes, each gradient's groups by
+                   the shape rule (zero_quantized_gradients_max_group_size 40960)
+  qgz-8/4          int8 inside the node (zero_quantized_gradients_intra_node_bits 8)
+  qgz-4/4-136      groups of at most 136 values (zero_quantized_gradients_max_group_size 136)
+  qgz-8/4-136      both
   zero++           ZeRO++'s whole recipe: quantized weights (qwZ) gathered for every layer, hpZ
                    inside the node, qgZ 8/4 (the other runs keep the weights gathered, which is
                    exact, so they pair with it as they are)
@@ -27,10 +23,12 @@ runs pair step by step. Runs (one torchrun job runs them one after the other):
                    its average over nodes only), with the CPU op reading the bf16 gradients' bits
                    as fp16, as the CUDA kernels do
 
-Then, in one process on the trained qgZ-off model's real gradients (one micro-batch per rank), the
-relative RMS error of the averaged gradient per layer class at 3x2 and 4x8 for each setting, the
-study variants (also 8/4 with both quantizations clamped), and 0.19.8's grouping rule (with a correct fp16 conversion and average, so the grouping alone is
-compared).
+Then, in the same world, on the trained qgZ-off model's real gradients (one micro-batch per rank),
+the relative RMS error of each setting's averaged gradient against the exact average, per layer
+class, and its shrinkage along the exact average.
+
+Bytes are counted at the collectives (qgz_harness.CollectiveCounter): what each rank sends to the
+other ranks of its node and to other nodes.
 
 Writes convergence.json, convergence.md and convergence.png to --out.
 
@@ -38,7 +36,6 @@ Writes convergence.json, convergence.md and convergence.png to --out.
 """
 
 import argparse
-import contextlib
 import json
 import math
 import re
@@ -58,32 +55,42 @@ LR, WARMUP = 1e-3, 30
 EVAL_EVERY, EVAL_BATCHES = 25, 2
 LAYER_CLASSES = ("embeddings", "attention", "MLP", "output head")
 
-# name -> (zero_quantized_gradients, group size, intra-node bits, variant, seeds)
+# name -> (zero_quantized_gradients, the qgZ keys, variant, seeds)
 RUNS = {
-    "off": (False, None, None, None, (0, 1, 2, 3)),
-    "qgz-4/4": (True, 136, 4, None, (0, 1, 2, 3)),
-    "qgz-4/4 first quantization clamped": (True, 136, 4, "first-clamped", (0, 1, 2, 3)),
-    "qgz-8/4": (True, 136, 8, None, (0, 1, 2, 3)),
-    "qgz-8/4 first quantization clamped": (True, 136, 8, "first-clamped", (0, 1, 2, 3)),
-    "qgz-8/4-256": (True, 256, 8, None, (0, )),
-    "zero++": (True, 136, 8, "zero++", (0, 1)),
-    "0.19.8": (True, None, None, "upstream", (0, )),
+    "off": (False, {}, None, (0, 1, 2)),
+    "qgz-4/4": (True, {}, None, (0, 1, 2)),
+    "qgz-8/4": (True, {
+        "zero_quantized_gradients_intra_node_bits": 8
+    }, None, (0, 1, 2)),
+    "qgz-4/4-136": (True, {
+        "zero_quantized_gradients_max_group_size": 136
+    }, None, (0, )),
+    "qgz-8/4-136": (True, {
+        "zero_quantized_gradients_intra_node_bits": 8,
+        "zero_quantized_gradients_max_group_size": 136
+    }, None, (0, )),
+    "zero++": (True, {
+        "zero_quantized_gradients_intra_node_bits": 8
+    }, "zero++", (0, )),
+    "0.19.8": (True, {}, "upstream", (0, )),
 }
 # the trained qgZ-off model (seed 0) the fidelity study takes its gradients from
 MODEL = "model_off_seed0.pt"
-FIDELITY_TOPOLOGIES = [(3, 2), (4, 8)]
-SMOKE_RUNS = {"off": (False, None, None, None, (0, )), "qgz-8/4": (True, 136, 8, None, (0, ))}
-# fidelity: name -> (group size, intra-node bits, variant)
+FIDELITY_FILE = "fidelity.json"
+SMOKE_RUNS = {"off": RUNS["off"][:3] + ((0, ), ), "qgz-8/4": RUNS["qgz-8/4"][:3] + ((0, ), )}
+# fidelity: name -> all_to_all_quant_reduce's keyword arguments
 FIDELITY = {
-    "qgz-4/4": (136, 4, None),
-    "qgz-4/4 first quantization clamped": (136, 4, "first-clamped"),
-    "qgz-4/4-256": (256, 4, None),
-    "qgz-4/4-1024": (1024, 4, None),
-    "qgz-8/4": (136, 8, None),
-    "qgz-8/4 first quantization clamped": (136, 8, "first-clamped"),
-    "qgz-8/4 both quantizations clamped": (136, 8, "clamped"),
-    "qgz-8/4-256": (256, 8, None),
-    "0.19.8 rule": (None, None, "upstream"),
+    "qgz-4/4": {},
+    "qgz-8/4": {
+        "intra_node_bits": 8
+    },
+    "qgz-4/4-136": {
+        "max_group_size": 136
+    },
+    "qgz-8/4-136": {
+        "intra_node_bits": 8,
+        "max_group_size": 136
+    },
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -163,36 +170,6 @@ def layer_class(name):
     return "output head"
 
 
-# ----------------------------------------------------------------------------------------------
-# study variants
-# ----------------------------------------------------------------------------------------------
-
-
-def study_variant(variant):
-    """A context for a study variant of the pipeline's quantizations (the kernels' clamp instead of
-    clamp-free): "first-clamped" for the first one (inside the node), "clamped" for every one the
-    glue makes; anything else changes nothing."""
-    import torch
-    from deepspeed.runtime.comm import quantized_pipeline
-    if variant not in ("first-clamped", "clamped"):
-        return contextlib.nullcontext()
-    real = quantized_pipeline._prepare_groups
-
-    def clamped(groups, out, clamp_free=False):
-        first = groups.dtype != torch.float64  # the node sums' requantization reads their fp64 sums
-        return real(groups, out, clamp_free=clamp_free and variant == "first-clamped" and not first)
-
-    @contextlib.contextmanager
-    def patched():
-        quantized_pipeline._prepare_groups = clamped
-        try:
-            yield
-        finally:
-            quantized_pipeline._prepare_groups = real
-
-    return patched()
-
-
 def upstream_as_users_get_it():
     """DeepSpeed 0.19.8's all_to_all_quant_reduce with the CPU op reading every input's bits as fp16,
     as the CUDA kernels do ((__half*)data_ptr()): bf16 gradients are quantized as garbage."""
@@ -226,7 +203,7 @@ def run_plan(args):
     runs = SMOKE_RUNS if args.smoke else RUNS
     if args.runs:
         runs = {name: RUNS[name] for name in args.runs.split(",")}
-    plan = [(name, seed) for name, (_, _, _, _, seeds) in runs.items()
+    plan = [(name, seed) for name, (_, _, _, seeds) in runs.items()
             for seed in (range(args.seeds) if args.seeds else seeds)]
     return runs, plan
 
@@ -235,7 +212,7 @@ def run_file(name, seed):
     return f"run_{name.replace('/', '-')}_seed{seed}.json"
 
 
-def ds_config(quantized, group_size=None, bits=None, variant=None):
+def ds_config(quantized, keys=None, variant=None):
     zero = {
         "stage": 3,
         "zero_quantized_gradients": quantized,
@@ -245,7 +222,7 @@ def ds_config(quantized, group_size=None, bits=None, variant=None):
         "stage3_param_persistence_threshold": 10**7,
     }
     if quantized and variant != "upstream":
-        zero.update(zero_quantized_gradients_group_size=group_size, zero_quantized_gradients_intra_node_bits=bits)
+        zero.update(keys or {})
     if variant == "zero++":
         # ZeRO++ as its tutorial configures it: weights gathered (quantized) for every layer, hpZ's
         # secondary partitions inside the node
@@ -299,19 +276,16 @@ def worker(args):
     out = Path(args.out)
     runs, plan = run_plan(args)
     for index, (name, seed) in enumerate(plan):
-        quantized, group_size, bits, variant, _ = runs[name]
+        quantized, keys, variant, _ = runs[name]
         # stage 3 passes the config keys, which 0.19.8's function does not take
         stage3.all_to_all_quant_reduce = ((
             lambda tensors, groups, **_: upstream.all_to_all_quant_reduce(tensors, groups))
                                           if variant == "upstream" else ours_reduce)
-        study = study_variant(variant)
-        study.__enter__()
         torch.manual_seed(seed)
         model = make_model()
         engine, _, _, _ = deepspeed.initialize(model=model,
                                                model_parameters=model.parameters(),
-                                               config=ds_config(quantized, group_size, bits, variant))
-        cc.qgz_accounting.reset()
+                                               config=ds_config(quantized, keys, variant))
         losses, evals = [], []
         started = time.perf_counter()
 
@@ -341,7 +315,6 @@ def worker(args):
                     print(f"RUN {index + 1}/{len(plan)} {name} seed {seed} STEP {step + 1} LOSS {losses[-1]:.4f}",
                           flush=True)
             evaluate(engine, args.steps)
-        totals = vars(cc.qgz_accounting.totals)
         result = {
             "name": name,
             "seed": seed,
@@ -350,7 +323,7 @@ def worker(args):
             "seconds": time.perf_counter() - started,
             "inter_bytes_per_step": traffic.inter_bytes / args.steps,
             "intra_bytes_per_step": traffic.intra_bytes / args.steps,
-            "qgz": totals,
+            "all_to_all_calls": traffic.all_to_all_calls,
         }
         if name == "off" and seed == 0:
             state = engine._zero3_consolidated_16bit_state_dict()
@@ -360,110 +333,57 @@ def worker(args):
             (out / run_file(name, seed)).write_text(json.dumps(result))
         engine.destroy() if hasattr(engine, "destroy") else None
         del engine, model
-        study.__exit__(None, None, None)
+    if (out / MODEL).exists() and not args.smoke:
+        dist.barrier()  # rank 0 saved it
+        if rank == 0:
+            print("PHASE fidelity: every setting on the trained qgZ-off model's gradients", flush=True)
+        fid = fidelity(out / MODEL, rank, world)
+        if rank == 0:
+            (out / FIDELITY_FILE).write_text(json.dumps(fid))
     dist.barrier()
     dist.destroy_process_group()  # a clean shutdown (see scripts/qgz_3x2/train.py)
 
 
 # ----------------------------------------------------------------------------------------------
-# gradient fidelity (one process, simulated clusters)
+# gradient fidelity (in the same world, after the runs)
 # ----------------------------------------------------------------------------------------------
 
 
-def upstream_rule_simulation(inputs, num_nodes, local_world_size, ops):
-    """0.19.8's all_to_all_quant_reduce for every rank, in one process, with its grouping rule
-    (max(shape[0], shape[1], world) groups per tensor) and its fallback (numel not a multiple of
-    2 x world, and 1-D tensors, reduced exactly), but with the gradients converted to fp16 and the
-    result divided by the world size: its grouping alone, not its dtype and averaging bugs."""
+def fidelity(model_path, rank, world):
+    """{setting: {layer class: relative RMS error, "shrinkage": ...}} of all_to_all_quant_reduce on
+    the trained model's real gradients (one micro-batch per rank) against the exact average
+    (reduce_scatter_coalesced in fp64), the same partitions on every rank; every rank takes part."""
     import torch
-    world = num_nodes * local_world_size
-    outputs = [[] for _ in range(world)]
-    for i, tensor in enumerate(inputs[0]):
-        numel = tensor.numel()
-        exact = torch.stack([inputs[r][i].reshape(-1).double() for r in range(world)]).mean(0)
-        if tensor.dim() == 1 or numel % (2 * world):
-            chunk = math.ceil(numel / world)
-            for r in range(world):
-                outputs[r].append(exact[r * chunk:(r + 1) * chunk].to(tensor.dtype))
-            continue
-        num_groups = max(tensor.shape[0], tensor.shape[1], world)
-        sent = [
-            ops.swizzle_quant(inputs[r][i].half().reshape(-1), num_groups, 4, ops.Symmetric, 1, num_nodes,
-                              local_world_size) for r in range(world)
-        ]
-        slot_bytes, slot_groups = sent[0][0].numel() // world, num_groups // world
-        node_sums = []
-        for r in range(world):
-            node, local_rank = divmod(r, local_world_size)
-            peers = range(node * local_world_size, (node + 1) * local_world_size)
-            data = torch.cat([sent[p][0].view(local_world_size, -1)[local_rank] for p in peers])
-            scales = torch.cat([sent[p][1].view(local_world_size, -1)[local_rank] for p in peers])
-            node_sums.append(
-                ops.quantized_reduction(data, scales.view(-1, 1), num_groups, num_groups // local_world_size, 4,
-                                        ops.Symmetric, local_world_size))
-        for r in range(world):
-            node, local_rank = divmod(r, local_world_size)
-            sources = [node_sums[m * local_world_size + local_rank] for m in range(num_nodes)]
-            data = torch.cat([s[0].view(num_nodes, slot_bytes)[node] for s in sources])
-            scales = torch.cat([s[1].view(num_nodes, slot_groups)[node] for s in sources])
-            values = ops.dequantize(data, scales.view(-1, 1), scales.numel(), 4, ops.Symmetric)
-            outputs[r].append((values.float().view(num_nodes, -1).sum(0) / world).to(tensor.dtype))
-    return outputs
-
-
-def fidelity(model_path, topologies):
-    """{topology: {setting: {layer class: relative RMS error, "shrinkage": ...}}} on real gradients."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
-    from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
-    from qgz_harness import BeyondContract
-    ops = get_accelerator().create_op_builder("QuantizerBuilder").load()
-    quantizer = ContractCheckedQuantizer(ops)
-    ops = BeyondContract(ops)  # for 0.19.8's rule
+    import deepspeed.comm as dist
+    from deepspeed.runtime.comm import coalesced_collectives as cc
+    from deepspeed.utils import groups
     train, _ = stdlib_corpus()
     model = make_model()
     model.load_state_dict(torch.load(model_path))
     model = model.to(torch.bfloat16)
-    names = [n for n, _ in model.named_parameters()]
+    x, y = batch(train, 7, 0, rank)
+    model(x, y).backward()
+    named = [(layer_class(n), p.grad.detach().clone()) for n, p in model.named_parameters() if layer_class(n)]
+    classes, grads = [c for c, _ in named], [g for _, g in named]
+    exact = cc.reduce_scatter_coalesced([g.double() for g in grads])
+    all_to_all_groups = groups._get_local_all_to_all_group()
     results = {}
-    for num_nodes, local_world_size in topologies:
-        world = num_nodes * local_world_size
-        grads = []
-        for rank in range(world):
-            model.zero_grad()
-            x, y = batch(train, 7, 0, rank)
-            model(x, y).backward()
-            grads.append([p.grad.detach().clone() for p in model.parameters()])
-        exact = [torch.stack([g[i].double() for g in grads]).mean(0).reshape(-1) for i in range(len(names))]
-        topology = f"{num_nodes}x{local_world_size}"
-        results[topology] = {}
-        for method, (group_size, bits, variant) in FIDELITY.items():
-            if variant == "upstream":
-                outputs = upstream_rule_simulation(grads, num_nodes, local_world_size, ops)
-                full = [torch.cat([outputs[r][i].double() for r in range(world)]) for i in range(len(names))]
-            else:
-                quantized = [i for i, n in enumerate(names) if layer_class(n)]
-                with study_variant(variant):
-                    outputs, _ = simulate_all_to_all_quant_reduce([[g[i] for i in quantized] for g in grads],
-                                                                  num_nodes, local_world_size, quantizer, group_size,
-                                                                  bits)
-                full = list(exact)
-                for j, i in enumerate(quantized):
-                    full[i] = torch.cat([outputs[r][j].double() for r in range(world)])
-            row, dot, norm = {}, 0.0, 0.0
-            for cls in LAYER_CLASSES:
-                members = [i for i, n in enumerate(names) if layer_class(n) == cls]
-                err = sum(float((full[i] - exact[i]).pow(2).sum()) for i in members)
-                ref = sum(float(exact[i].pow(2).sum()) for i in members)
-                row[cls] = math.sqrt(err / ref)
-            for i, n in enumerate(names):
-                if layer_class(n):
-                    dot += float((full[i] * exact[i]).sum())
-                    norm += float(exact[i].pow(2).sum())
-            row["shrinkage"] = dot / norm - 1  # of the average along the exact average
-            results[topology][method] = row
-    return results
+    for setting, kwargs in FIDELITY.items():
+        outputs = cc.all_to_all_quant_reduce(grads, all_to_all_groups, **kwargs)
+        # per layer class: squared error, squared norm; then the dot product and norm of all
+        sums = torch.zeros(2 * len(LAYER_CLASSES) + 2, dtype=torch.float64)
+        for cls, out, ref in zip(classes, outputs, exact):
+            k = LAYER_CLASSES.index(cls)
+            got = out.double()
+            sums[2 * k] += (got - ref).pow(2).sum()
+            sums[2 * k + 1] += ref.pow(2).sum()
+            sums[-2] += (got * ref).sum()
+            sums[-1] += ref.pow(2).sum()
+        dist.all_reduce(sums)
+        row = {cls: math.sqrt(sums[2 * k] / sums[2 * k + 1]) for k, cls in enumerate(LAYER_CLASSES)}
+        row["shrinkage"] = float(sums[-2] / sums[-1]) - 1  # of the average along the exact average
+        results[setting] = row
+    return {f"{NODES}x{PROCS_PER_NODE}": results}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,11 +391,14 @@ def fidelity(model_path, topologies):
 # ----------------------------------------------------------------------------------------------
 
 
-def upstream_quantized_share(world):
-    """Share of this model's gradient elements 0.19.8 quantizes at `world` ranks (its rule)."""
+def quantized_share(upstream):
+    """Share of this model's gradient elements qgZ quantizes: those of its tensors of two or more
+    dimensions; 0.19.8 (`upstream`) only those whose size is a multiple of 2 x world as well."""
     model = make_model()
     total = sum(p.numel() for p in model.parameters())
-    quantized = sum(p.numel() for p in model.parameters() if p.dim() > 1 and p.numel() % (2 * world) == 0)
+    world = NODES * PROCS_PER_NODE
+    quantized = sum(p.numel() for p in model.parameters()
+                    if p.dim() > 1 and not (upstream and p.numel() % (2 * world)))
     return quantized / total
 
 
@@ -493,9 +416,6 @@ def summarize(results, steps):
         runs = [r for r in results if r["name"] == name]
         gaps = [paired_gap(r, offs[r["seed"]]) for r in runs if name != "off" and r["seed"] in offs]
         finals = [r["evals"][-1][1] for r in runs]
-        qgz = runs[0]["qgz"]
-        elems = qgz["quantized_elems"] + qgz["exact_elems"]
-        share = qgz["quantized_elems"] / elems if elems else 0.0
         rows.append({
             "name": name,
             "seeds": [r["seed"] for r in runs],
@@ -505,7 +425,7 @@ def summarize(results, steps):
             "gap_each": gaps,
             "inter_bytes_per_step": runs[0]["inter_bytes_per_step"],
             "intra_bytes_per_step": runs[0]["intra_bytes_per_step"],
-            "quantized_share": upstream_quantized_share(NODES * PROCS_PER_NODE) if name == "0.19.8" else share,
+            "quantized_share": quantized_share(name == "0.19.8") if runs[0]["all_to_all_calls"] else 0.0,
             "seconds": statistics.mean(r["seconds"] for r in runs),
         })
     return rows
@@ -612,10 +532,6 @@ def main():
     parser.add_argument("--report-only",
                         action="store_true",
                         help="rebuild the tables and the chart from OUT/convergence.json")
-    parser.add_argument("--fidelity-only",
-                        action="store_true",
-                        help="only the fidelity table, on the model a full run kept in OUT (replacing the one "
-                        "in OUT/convergence.json, if any)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -623,13 +539,6 @@ def main():
     if args.report_only:
         saved = json.loads((Path(args.out) / "convergence.json").read_text())
         return write_outputs(Path(args.out), saved["runs"], saved["fidelity"], args.steps)
-    if args.fidelity_only:
-        fid = fidelity(Path(args.out) / MODEL, FIDELITY_TOPOLOGIES)
-        saved = Path(args.out) / "convergence.json"
-        if saved.exists():  # the runs' tables keep their results, the fidelity table is replaced
-            return write_outputs(Path(args.out), json.loads(saved.read_text())["runs"], fid, args.steps)
-        print(report([], fid, args.steps))
-        return 0
 
     from qgz_harness import Progress, log, run_torchrun_nodes
     out = Path(args.out).resolve()
@@ -649,6 +558,8 @@ def main():
     line_re = re.compile(r"^RUN (\d+)/(\d+) (\S+) seed (\d+) STEP (\d+) LOSS (\S+)")
 
     def on_output(line):
+        if line.startswith("PHASE "):
+            log(line[len("PHASE "):])
         match = line_re.match(line)
         if match:
             index = int(match.group(1))
@@ -664,11 +575,7 @@ def main():
         if missing:
             raise RuntimeError(f"runs without results: {missing}:\n{output[-6000:]}")
         results = [json.loads((work / run_file(name, seed)).read_text()) for name, seed in plan]
-        fid = None
-        if not args.smoke and (work / MODEL).exists():
-            shutil.copy(work / MODEL, out / MODEL)  # kept for --fidelity-only
-            log("fidelity: real gradients of the trained model, simulated 3x2 and 4x8 clusters")
-            fid = fidelity(out / MODEL, FIDELITY_TOPOLOGIES)
+        fid = json.loads((work / FIDELITY_FILE).read_text()) if (work / FIDELITY_FILE).exists() else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_outputs(out, results, fid, args.steps)

@@ -5,24 +5,21 @@
 """Side-by-side cost of one gradient reduce-scatter call on a simulated cluster (gloo, one process
 per rank, default 3 nodes x 2), on the same buckets in one run:
 
-  qgz-4/4      the patched all_to_all_quant_reduce, int4 inside and across nodes
+  qgz-4/4      the series' all_to_all_quant_reduce (upstream/, what the overlay installs) at its
+               defaults, int4 inside and across nodes, with the CPU quantizer op as its kernels
   qgz-8/4      the same, int8 inside the node, int4 across
-  qgz-*-fused  the same with fused=True: the stages as fused Triton kernels (counted from their
-               launches' arguments, not run: Triton's interpreter on a CPU says nothing of speed)
   upstream     DeepSpeed 0.19.8's all_to_all_quant_reduce, loaded from the installed file, with
                the CPU quantizer op as its quantizer (per tensor; falls back as 0.19.8 does; its
                sub-warp reductions computed as if CUDA defined them)
-  rs           the patched reduce_scatter_coalesced (what ZeRO-3 runs with qgZ off)
-  upstream-rs  DeepSpeed 0.19.8's reduce_scatter_coalesced
+  rs           reduce_scatter_coalesced (what ZeRO-3 runs with qgZ off; the series leaves it as it is)
 
 For each: the slowest rank's median wall time here, the work a GPU would launch (dispatched ATen
 ops, quantizer kernel calls, bytes of the tensors each reads or writes, per gradient element), the
 collectives and the bytes each rank sends inside and across nodes, and two modeled times: the GPU
 work (LAUNCH_S per op or kernel, HBM_BPS) and the network (LATENCY_S per collective, link bandwidths).
-Then, in fresh worlds, the extra peak resident memory of one call on a large single tensor (and,
-for the fused kernels, which the interpreter runs slowly, on a smaller one, next to the default on
-it), with glibc's mmap threshold fixed at 1 MB (MALLOC_MMAP_THRESHOLD_) so that what a call frees
-goes back to the system and the peak is the call's, not the C library's retention.
+Then, in fresh worlds, the extra peak resident memory of one call on a large single tensor, with
+glibc's mmap threshold fixed at 1 MB (MALLOC_MMAP_THRESHOLD_) so that what a call frees goes back to
+the system and the peak is the call's, not the C library's retention.
 Writes qgz_collectives.json, .md and .png to --out.
 
     python benchmarks/qgz_collectives.py [--nodes 3 --devices 2] [--repeats 7] [--out DIR]
@@ -50,20 +47,12 @@ INTRA_NODE_BPS = 300e9
 INTER_NODE_BPS = 25e9
 
 DTYPES = ("fp16", "bf16")
-METHODS = ("qgz-4/4", "qgz-8/4", "qgz-4/4-fused", "qgz-8/4-fused", "upstream", "rs", "upstream-rs")
-QGZ_METHODS = {"qgz-4/4": 4, "qgz-8/4": 8, "qgz-4/4-fused": 4, "qgz-8/4-fused": 8}
-FUSED_METHODS = ("qgz-4/4-fused", "qgz-8/4-fused")
+METHODS = ("qgz-4/4", "qgz-8/4", "upstream", "rs")
 MEMORY_METHODS = ("qgz-4/4", "qgz-8/4", "upstream")
 # A large single tensor for the memory measurement: 4096 x 6144 = 25.2M elements, a multiple of
 # 2 x world at 3x2, so 0.19.8 quantizes it too.
 MEMORY_SHAPE = (4096, 6144)
-# The fused kernels' memory, with the kernels run in Triton's interpreter: a 512 x 1536 tensor
-# (0.79M elements), the default path on it too.
-FUSED_MEMORY_SHAPE = (512, 1536)
-FUSED_MEMORY_METHODS = ("qgz-4/4", "qgz-8/4", "qgz-4/4-fused", "qgz-8/4-fused")
-# The environment of the worlds: the fused kernels in Triton's interpreter (CPU tensors).
-WORLD_ENV = {"TRITON_INTERPRET": "1"}
-MEMORY_ENV = dict(WORLD_ENV, MALLOC_MMAP_THRESHOLD_="1048576")
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
 
 
 def buckets():
@@ -91,7 +80,7 @@ def setup_rank():
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+    from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm import coalesced_collectives as ours
     from deepspeed.utils import groups as ds_groups
     from qgz_harness import BeyondContract, load_upstream_module, release_deepspeed_shm
@@ -111,11 +100,8 @@ def methods(ours, upstream, groups):
     return {
         "qgz-4/4": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=4)),
         "qgz-8/4": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=8)),
-        "qgz-4/4-fused": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=4, fused=True)),
-        "qgz-8/4-fused": (ours, lambda ts: ours.all_to_all_quant_reduce(ts, groups, intra_node_bits=8, fused=True)),
         "upstream": (upstream, lambda ts: upstream.all_to_all_quant_reduce(ts, groups)),
         "rs": (ours, lambda ts: ours.reduce_scatter_coalesced(ts)),
-        "upstream-rs": (upstream, lambda ts: upstream.reduce_scatter_coalesced(ts)),
     }
 
 
@@ -142,20 +128,10 @@ def work_worker(args):
                     "elems": elems
                 }
                 quantizer = quantizers["ours" if module is ours else "upstream"]
-                fused = method in FUSED_METHODS
                 try:
-                    if not fused:
-                        call([t.clone() for t in tensors])  # warm-up
-                    else:
-                        # uncounted: the fused setting's self-check (once per dtype and precision,
-                        # on a small bucket), then this bucket's per-layout tables (built once per
-                        # layout and cached, as in every training step after the first)
-                        call([torch.randn(96, 64, generator=gen).to(dtype)])
-                        with WorkCounter(run_launches=False):
-                            call([t.clone() for t in tensors])
-                    ours.qgz_accounting.reset()
+                    call([t.clone() for t in tensors])  # warm-up
                     inputs = [t.clone() for t in tensors]
-                    work = WorkCounter(run_launches=not fused)
+                    work = WorkCounter()
                     module.quantizer_module = work.counting_quantizer(quantizer)
                     with CollectiveCounter([ours, upstream], world, args.devices) as traffic:
                         with work:
@@ -167,10 +143,8 @@ def work_worker(args):
                                collectives=traffic.calls,
                                intra_bytes=traffic.intra_bytes,
                                inter_bytes=traffic.inter_bytes)
-                    if method in QGZ_METHODS:
-                        row["padding_elems"] = ours.qgz_accounting.last_call.padding_elems
                     times = []
-                    for _ in range(0 if fused else args.repeats):
+                    for _ in range(args.repeats):
                         inputs = [t.clone() for t in tensors]
                         dist.barrier()
                         start = time.perf_counter()
@@ -178,7 +152,7 @@ def work_worker(args):
                         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                         times.append(float(elapsed))
-                    row["median_s"] = statistics.median(times) if times else None
+                    row["median_s"] = statistics.median(times)
                 except Exception as exc:  # noqa: BLE001 - reported in the table
                     module.quantizer_module = quantizer
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
@@ -239,8 +213,8 @@ def report(results, memory, args):
         f"{INTER_NODE_BPS / 1e9:.0f} GB/s between nodes. Bytes per element: of the tensors each op or kernel "
         "reads or writes, per gradient element (collectives' own traffic excluded).", "",
         "| bucket | dtype | method | ops | per added tensor | kernels | collectives | bytes / elem | "
-        "intra-node KB | intra vs rs | inter-node KB | inter vs rs | padding | modeled GPU us | modeled network us | "
-        "wall ms |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "intra-node KB | intra vs rs | inter-node KB | inter vs rs | modeled GPU us | modeled network us | "
+        "wall ms |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     ]
     singles = {(r["dtype"], r["method"]): r for r in results if r["bucket"] == "1 x (96, 64)" and "error" not in r}
     for bucket in buckets():
@@ -251,21 +225,20 @@ def report(results, memory, args):
                 if "error" in r:
                     why = ("its kernels take fp16 (on CUDA they read bf16 bits as fp16; the CPU op refuses)"
                            if method == "upstream" and dtype_name != "fp16" else r["error"])
-                    lines.append(f"| {bucket} | {dtype_name} | {method} | n/a: {why} ||||||||||||")
+                    lines.append(f"| {bucket} | {dtype_name} | {method} | n/a: {why} |||||||||||")
                     continue
                 single = singles.get((dtype_name, method))
                 per_tensor = ""
                 if single and r["tensors"] > 1 and bucket.endswith("(96, 64)"):
                     added = r["ops"] + r["kernel_calls"] - single["ops"] - single["kernel_calls"]
                     per_tensor = f"{added / (r['tensors'] - 1):.1f}"
-                padding = f"{r['padding_elems'] / r['elems']:.2%}" if "padding_elems" in r else ""
                 lines.append(
                     f"| {bucket} | {dtype_name} | {method} | {r['ops']} | {per_tensor} | {r['kernel_calls']} | "
                     f"{r['collectives']} | {r['bytes'] / r['elems']:.1f} | {r['intra_bytes'] / 1e3:.1f} | "
                     f"{r['intra_bytes'] / rs['intra_bytes']:.3f}x | {r['inter_bytes'] / 1e3:.1f} | "
-                    f"{r['inter_bytes'] / rs['inter_bytes']:.3f}x | {padding} | {gpu_s(r) * 1e6:.0f} | "
-                    f"{network_s(r) * 1e6:.0f} | {wall_ms(r)} |")
-    for shape, names in ((MEMORY_SHAPE, MEMORY_METHODS), (FUSED_MEMORY_SHAPE, FUSED_MEMORY_METHODS)):
+                    f"{r['inter_bytes'] / rs['inter_bytes']:.3f}x | {gpu_s(r) * 1e6:.0f} | "
+                    f"{network_s(r) * 1e6:.0f} | {r['median_s'] * 1e3:.2f} |")
+    for shape, names in ((MEMORY_SHAPE, MEMORY_METHODS), ):
         lines += [
             "", f"Extra peak resident memory of one call on a {shape[0]} x {shape[1]} tensor "
             f"({shape[0] * shape[1] / 1e6:.2f}M elements), bytes per gradient element, the largest over the ranks "
@@ -278,33 +251,7 @@ def report(results, memory, args):
                 m = memory[(shape, dtype_name, method)]
                 cells.append(f"n/a: {m['error']}" if m["error"] else f"{m['extra_bytes'] / m['elems']:.2f}")
             lines.append(f"| {dtype_name} | " + " | ".join(cells) + " |")
-    lines += [
-        "", "The fused path's buffers (computed from the layout: its kernels allocate nothing, so these are what it "
-        "holds at its peak, at any size; fp16 and bf16 alike), bytes per gradient element at 3 x 2:", "",
-        "| tensor | qgz-4/4-fused | qgz-8/4-fused |", "|---|---:|---:|"
-    ]
-    for shape in (MEMORY_SHAPE, FUSED_MEMORY_SHAPE):
-        cells = [f"{fused_buffer_peak(shape, bits, args.nodes, args.devices):.2f}" for bits in (4, 8)]
-        lines.append(f"| {shape[0]} x {shape[1]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def fused_buffer_peak(shape, bits, num_nodes, local_world_size):
-    """Bytes per element the fused path holds at its peak for one tensor of `shape`: the intra-node
-    slots and their received copy during the first exchange, the received slots, the node sums and
-    their received copy during the second, the node sums received and the 2-byte result after."""
-    import math
-    from deepspeed.runtime.comm.quantized_layout import DEFAULT_GROUP_SIZE, quantized_reduce_layout
-    elems = math.prod(shape)
-    layout = quantized_reduce_layout((elems, ), num_nodes, local_world_size, DEFAULT_GROUP_SIZE, bits)
-    intra = layout.world_size * layout.intra.slot_bytes
-    inter = layout.num_nodes * layout.inter.slot_bytes
-    return max(2 * intra, intra + 2 * inter, inter + 2 * layout.padded_partition) / elems
-
-
-def wall_ms(row):
-    """The wall-time cell: the fused kernels' launches were counted, not run."""
-    return "n/a (not run)" if row["median_s"] is None else f"{row['median_s'] * 1e3:.2f}"
 
 
 def chart(results, path):
@@ -325,8 +272,8 @@ def chart(results, path):
         ax.set_title(label, fontsize=10)
         ax.set_yscale("log")
         ax.legend(fontsize=8)
-    fig.suptitle("one fp16 gradient reduce-scatter call per bucket, 3 nodes x 2:\nqgZ 4/4 and 8/4 (patched, on "
-                 "DeepSpeed's kernels and fused) vs DeepSpeed 0.19.8 vs the unquantized reduce-scatter")
+    fig.suptitle("one fp16 gradient reduce-scatter call per bucket, 3 nodes x 2:\nqgZ 4/4 and 8/4 (the series', on "
+                 "DeepSpeed's kernels) vs DeepSpeed 0.19.8 vs the unquantized reduce-scatter")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -364,10 +311,9 @@ def main():
     ]
     log(f"collectives: {len(buckets())} buckets x {len(DTYPES)} dtypes x {len(METHODS)} methods at "
         f"{args.nodes}x{args.devices}")
-    results = run_world(common + ["--worker", "work"], args.nodes, args.devices, timeout=1800,
-                        env=WORLD_ENV)[0]["results"]
+    results = run_world(common + ["--worker", "work"], args.nodes, args.devices, timeout=1800)[0]["results"]
     memory = {}
-    for shape, names in ((MEMORY_SHAPE, MEMORY_METHODS), (FUSED_MEMORY_SHAPE, FUSED_MEMORY_METHODS)):
+    for shape, names in ((MEMORY_SHAPE, MEMORY_METHODS), ):
         for dtype_name in DTYPES:
             for method in names:
                 if method == "upstream" and dtype_name != "fp16":

@@ -22,9 +22,9 @@ training), and of that the share whose quantize call leaves the contract; agains
 import math
 import torch
 
-from deepspeed.ops.quantizer.qgz_contract import (SYMMETRIC, quantize_violations, quantized_reduction_violations,
-                                                  swizzle_quant_violations)
-from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout, resolve_group_size
+from deepspeed_qgz.qgz.qgz_contract import (SYMMETRIC, quantize_violations, quantized_reduction_violations,
+                                            swizzle_quant_violations)
+from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout, resolve_group_size
 from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
 
 

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""A static roofline of the fused qgZ kernels (deepspeed/runtime/comm/quantized_fused.py), read off
+"""A static roofline of the fused qgZ kernels (deepspeed_qgz/qgz/quantized_fused.py), read off
 the machine code Triton's compiler makes for each GPU, without a GPU.
 
 For each stage, dtype, intra-node precision, group size and topology: the launch the launcher makes
@@ -405,7 +405,7 @@ def gpu_for(name: str, capability) -> str:
 def analyse(stage: int, dtype_name: str, bits: int, group_size: int, topology, gpu: str):
     """One row: the launch's instruction mix per gradient value and the ceilings on `gpu`."""
     from unit import qgz_compile
-    from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout
+    from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout
     num_nodes, local = topology
     layout = quantized_reduce_layout(tuple(math.prod(s) for s in BUCKET), num_nodes, local, group_size, bits)
     dtype = qgz_compile.DTYPES[dtype_name]

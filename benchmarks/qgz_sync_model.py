@@ -3,8 +3,9 @@
 
 # DeepSpeed Team
 """What one step's gradient synchronization of LLaMA-2-7B costs on a GPU cluster, modeled: the fp16
-reduce-scatter against qgZ with int4 inside the node (4/4) and with int8 inside the node (8/4), on
-DeepSpeed's quantizer kernels with the glue (the default) and as fused Triton kernels.
+reduce-scatter against this package's qgZ pipeline (deepspeed_qgz/qgz/, which training does not run:
+it runs the series' all_to_all_quant_reduce) with int4 inside the node (4/4) and with int8 inside
+the node (8/4), on DeepSpeed's quantizer kernels with the glue and as fused Triton kernels.
 
 Compute: one rank's dispatched ops and quantizer kernels (a launch each) and the bytes they read
 and write per gradient element, counted at each modeled topology on one LLaMA-2-7B layer's
@@ -69,11 +70,10 @@ def count_work(method, num_nodes, local_world_size):
     from unittest import mock
     import torch
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+    from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm import coalesced_collectives
-    from deepspeed.runtime.comm.quantized_layout import DEFAULT_GROUP_SIZE
-    from deepspeed.runtime.comm.quantized_pipeline import (pipeline_stages, quantized_reduce_plan,
-                                                           quantized_reduce_scatter)
+    from deepspeed_qgz.qgz.quantized_layout import DEFAULT_GROUP_SIZE
+    from deepspeed_qgz.qgz.quantized_pipeline import (pipeline_stages, quantized_reduce_plan, quantized_reduce_scatter)
     from qgz_harness import WorkCounter
 
     world = num_nodes * local_world_size
@@ -85,7 +85,7 @@ def count_work(method, num_nodes, local_world_size):
         stub = mock.Mock(get_rank=lambda group=None: 0, get_world_size=lambda group=None: world)
         with mock.patch.object(coalesced_collectives, "dist", stub), \
                 mock.patch.object(coalesced_collectives, "_torch_reduce_scatter_fn", lambda *a, **k: None), work:
-            coalesced_collectives._reduce_scatter_coalesced(tensors)
+            coalesced_collectives.reduce_scatter_coalesced(tensors)
     else:
         quantizer = work.counting_quantizer(
             ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load()))
@@ -123,7 +123,7 @@ def fused_ceilings(method, num_nodes, local_world_size):
     import os
     os.environ.pop("TRITON_INTERPRET", None)
     import qgz_roofline
-    from deepspeed.runtime.comm.quantized_layout import DEFAULT_GROUP_SIZE
+    from deepspeed_qgz.qgz.quantized_layout import DEFAULT_GROUP_SIZE
     return {
         name:
         qgz_roofline.analyse(stage, DTYPE, INTRA_NODE_BITS[method], DEFAULT_GROUP_SIZE,
@@ -147,8 +147,8 @@ def buckets(shapes):
 
 def network_bytes(method, bucket, num_nodes, local_world_size):
     """(bytes each rank sends inside its node, to other nodes) for one call; 2-byte elements."""
-    from deepspeed.runtime.comm.quantized_layout import DEFAULT_GROUP_SIZE
-    from deepspeed.runtime.comm.quantized_pipeline import quantized_reduce_plan
+    from deepspeed_qgz.qgz.quantized_layout import DEFAULT_GROUP_SIZE
+    from deepspeed_qgz.qgz.quantized_pipeline import quantized_reduce_plan
     world = num_nodes * local_world_size
     elems = sum(math.prod(s) for s in bucket)
     if method == "rs":

@@ -17,9 +17,9 @@ import time
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.ops.quantizer import qgz_reference as ref
-from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
-from deepspeed.runtime.comm.quantized_layout import quantized_reduce_layout, resolve_group_size
+from deepspeed_qgz.qgz import qgz_reference as ref
+from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
+from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout, resolve_group_size
 from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
 
 # qwZ's weights: int8, in groups of up to CUDAQuantizer's target size

@@ -14,7 +14,7 @@ of DeepSpeed's own installation is modified; ``pip uninstall deepspeed-qgz`` res
 ``DS_QGZ_OVERLAY=0`` switches the overlay off for a process (and the processes it starts).
 """
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # The DeepSpeed releases this patch was tested on; elsewhere upstream is kept, with a warning.
 SUPPORTED_DEEPSPEED = ("0.19.8", )

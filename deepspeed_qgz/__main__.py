@@ -5,7 +5,6 @@
 """python -m deepspeed_qgz {status,diff}"""
 
 import argparse
-import ast
 import difflib
 import importlib.util
 import sys
@@ -45,43 +44,6 @@ def _test_files():
             yield path.relative_to(TREE).as_posix(), path
 
 
-def _imports(tree):
-    """The top-level import statements of a parsed module."""
-    return [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-
-
-def _bound(node):
-    """(module, name, asname) for each name an import statement binds."""
-    module = node.module if isinstance(node, ast.ImportFrom) else None
-    return [(module, alias.name, alias.asname) for alias in node.names]
-
-
-def extend_module(upstream: str, ours: str) -> str:
-    """DeepSpeed's test module `upstream` extended by the patch's module `ours`: upstream's text,
-    then ours after its imports, and ours' imports of names upstream does not import added to
-    upstream's import block (so nothing is imported twice)."""
-    upstream_tree, our_tree = ast.parse(upstream), ast.parse(ours)
-    our_lines = ours.splitlines(keepends=True)
-    our_imports = _imports(our_tree)
-    known = {bound for node in _imports(upstream_tree) for bound in _bound(node)}
-    added = []
-    for node in our_imports:
-        names = [(module, name, asname) for module, name, asname in _bound(node)
-                 if (module, name, asname) not in known]
-        if not names:
-            continue
-        if len(names) == len(node.names):
-            added.append("".join(our_lines[node.lineno - 1:node.end_lineno]))
-            continue
-        aliases = ", ".join(name + (f" as {asname}" if asname else "") for _, name, asname in names)
-        added.append(f"from {node.module} import {aliases}\n")
-    body = "".join(our_lines[our_imports[-1].end_lineno:]) if our_imports else ours
-    lines = upstream.splitlines(keepends=True)
-    last_import = _imports(upstream_tree)[-1].end_lineno
-    text = "".join(lines[:last_import] + added + lines[last_import:])
-    return text.rstrip("\n") + "\n\n\n" + body.strip("\n") + "\n"
-
-
 def status(_args):
     import torch
     active, reason = overlay_state()
@@ -98,7 +60,7 @@ def status(_args):
         print(f"  {'edits':8s} {path}")
     import deepspeed.runtime.zero.stage3 as stage3
     import deepspeed.runtime.comm.coalesced_collectives as collectives
-    patched = hasattr(collectives, "qgz_accounting")
+    patched = hasattr(collectives, "quant_reduce_exchange_values")  # a name the series adds
     print(f"coalesced_collectives {'patched' if patched else 'UPSTREAM'}: {collectives.__file__}")
     if stage3.all_to_all_quant_reduce is not collectives.all_to_all_quant_reduce:
         print("stage3.all_to_all_quant_reduce: NOT the module's function (!)")
@@ -147,17 +109,16 @@ def _patch(root, deepspeed_tree=None):
         yield path, text, apply_edits(path, text)
     if deepspeed_tree is None:
         return
-    tests = dict(_test_files())
-    for path in edited_paths(in_package=False):
-        if path not in tests:
-            text = upstream(path, edited=True)
-            yield path, text, apply_edits(path, text)
-    for path, ours in tests.items():
-        text = upstream(path)
-        if text is not None:  # DeepSpeed's test module, edited, then extended by ours
-            yield path, text, extend_module(apply_edits(path, text), ours.read_text())
-        else:
-            yield path, None, ours.read_text()
+    edited = edited_paths(in_package=False)
+    for path in edited:  # DeepSpeed's docs and test modules, with the series' hunks
+        text = upstream(path, edited=True)
+        yield path, text, apply_edits(path, text)
+    for path, ours in _test_files():
+        if path in edited:  # the series' result of DeepSpeed's module, which the overlay's suite runs
+            continue
+        if upstream(path) is not None:
+            raise ReplacementError(f"deepspeed-qgz: {path}, which the patch adds, is already in {deepspeed_tree}")
+        yield path, None, ours.read_text()
 
 
 def diff(args):

@@ -36,7 +36,7 @@ def cpu_quantizer():
     """The CPU quantizer op, as DeepSpeed's op registry hands it out on the CPU accelerator, behind
     the kernel-contract checks; JIT-built once before any multi-process test needs it."""
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+    from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
     return ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load())
 
 

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""A short run of benchmarks/convergence.py (qgZ off and 8/4 at the default group size, a few steps):
+"""A short run of benchmarks/convergence.py (qgZ off and 8/4, a few steps):
 the benchmark's machinery works end to end. The benchmark itself measures training quality."""
 
 import json

@@ -5,8 +5,9 @@
 """`python -m deepspeed_qgz diff --deepspeed-tree` on small DeepSpeed trees written here: the files
 the patch edits and replaces are the installed DeepSpeed 0.19.8's (after LoCo's removal, DeepSpeed PR
 #8534), or those in the forms of the trees from before it (edaa722: LoCo's collective, its stage 3
-call and its test); the whole patch applies to both with git apply, keeps the tree's LoCo collective
-where it is, and refuses a tree whose versions of the replaced definitions it was not written from."""
+call and its test). The whole patch applies to the first with git apply; the series' hunks of ZeRO's
+config and stage 3 are made against 0.19.8's, so a tree from before #8534 is refused, naming the
+file, as is a tree whose versions of the replaced definitions the patch was not written from."""
 
 import re
 import subprocess
@@ -21,26 +22,19 @@ pytestmark = pytest.mark.skipif(not overlay_active(), reason="DeepSpeed is patch
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_MODULE = "tests/unit/runtime/comm/test_coalesced_collectives.py"
-HEAD = '''# Copyright (c) Microsoft Corporation.
-# SPDX-License-Identifier: Apache-2.0
-
-# DeepSpeed Team
-"""
-unit tests for coalesced collectives
-"""
-
-import torch
-import pytest
-
-from unit.common import DistributedTest
 
 
-class TestReduceScatterCoalesced(DistributedTest):
-    world_size = 2
+def _master_test_module():
+    """Master's test module of the collectives: this repository's, the series' result, with the
+    series' hunks taken back out (scripts/check_series.sh checks it is master's, by its blob id)."""
+    from deepspeed_qgz._finder import TREE
+    from deepspeed_qgz.series import series_edits
+    text = (TREE / TEST_MODULE).read_text()
+    for _, old, new in reversed(series_edits(TEST_MODULE)):
+        text = text.replace(new, old)
+    return text
 
-    def test_single_input(self):
-        pass
-'''
+
 LOCO = '''
 
 class TestLocoQuantized(DistributedTest):
@@ -51,9 +45,13 @@ class TestLocoQuantized(DistributedTest):
         quantizer_module = QuantizerBuilder().load()
         quantizer_module.loco_swizzle_quant
 '''
-DOCS = '''    "zero_quantized_gradients": [true|false],
-|Boolean indicating whether to enable communication efficient quantized gradients of ZeRO++. | `False`   |
-'''
+
+
+def _docs_page():
+    """The lines of DeepSpeed's docs/_pages/config-json.md that the series' hunks change, with their context."""
+    from deepspeed_qgz.series import series_edits
+    return "\n".join(old for patch, old, _ in series_edits("docs/_pages/config-json.md") if patch.startswith("0011"))
+
 
 COLLECTIVES = "deepspeed/runtime/comm/coalesced_collectives.py"
 # A LoCo collective as the trees before PR #8534 have one beside all_to_all_quant_reduce: it uses
@@ -98,9 +96,8 @@ def tree(path, with_loco, changes=()):
     files = {name: installed(name) for name in edited_paths() + (COLLECTIVES, )}
     files.update({
         "tests/unit/common.py": "class DistributedTest:\n    pass\n",
-        TEST_MODULE: HEAD + (LOCO if with_loco else ""),
-        "docs/_pages/config-json.md": DOCS,
-        "requirements/requirements-dev.txt": "future\nimportlib-metadata>=4\n",
+        TEST_MODULE: _master_test_module() + (LOCO if with_loco else ""),
+        "docs/_pages/config-json.md": _docs_page(),
     })
     for name, old, new in [(name, old, new) for name, forms in BEFORE_8534.items()
                            for old, new in forms] if with_loco else []:
@@ -123,37 +120,29 @@ def diff(root):
                           text=True)
 
 
-@pytest.mark.parametrize("with_loco", [True, False], ids=["with LoCo", "without it"])
-def test_the_patch_applies_to_the_tree(tmp_path, with_loco):
-    root = tree(tmp_path / "DeepSpeed", with_loco)
+def test_the_patch_applies_to_the_tree(tmp_path):
+    root = tree(tmp_path / "DeepSpeed", False)
     made = diff(root)
     assert made.returncode == 0, made.stderr
     (tmp_path / "qgz.patch").write_text(made.stdout)
     subprocess.run(["git", "apply", "--whitespace=error-all", str(tmp_path / "qgz.patch")], cwd=root, check=True)
-    module = (root / TEST_MODULE).read_text()
-    assert ("this accelerator's quantizer op has no LoCo kernels" in module) == with_loco
-    assert "class TestQuantizedReduceScatter3Nodes2Ranks" in module  # the patch's own tests follow DeepSpeed's
-    assert module.startswith(HEAD.split("import torch")[0])
-    collectives = (root / COLLECTIVES).read_text()
     import deepspeed.runtime.comm.coalesced_collectives as ours
-    ours = open(ours.__file__).read()
+    # what the overlay imports in place of this release's module
+    assert (root / COLLECTIVES).read_text() == open(ours.__file__).read()
     stage3 = (root / "deepspeed/runtime/zero/stage3.py").read_text()
-    assert "fused=self.zero_quantized_gradients_fused" + ("))" if with_loco else ")") + "\n" in stage3
-    if not with_loco:  # what the overlay imports in place of this release's module
-        assert collectives == ours
-        return
-    # the tree's LoCo collective kept, after all_to_all_quant_reduce, with the import it needs
-    assert LOCO_COLLECTIVE in collectives
-    assert collectives.replace(LOCO_COLLECTIVE, "").replace("from typing import Any, Dict", "from typing import Dict") \
-        == ours
-    assert collectives.index("def all_to_all_quant_reduce(") < collectives.index("def all_to_all_loco_quant_reduce(") \
-        < collectives.index("def reduce_scatter_coalesced(")
-    compile(collectives, COLLECTIVES, "exec")
+    assert "max_group_size=self.zero_quantized_gradients_max_group_size)\n" in stage3
+    assert "zero_quantized_gradients_intra_node_bits" in (root / "docs/_pages/config-json.md").read_text()
 
 
-@pytest.mark.parametrize("with_loco", [True, False], ids=["with LoCo", "without it"])
-def test_the_patched_files_pass_deepspeeds_formatters(tmp_path, with_loco):
-    root = tree(tmp_path / "DeepSpeed", with_loco)
+def test_a_tree_from_before_locos_removal_is_refused_naming_the_file(tmp_path):
+    made = diff(tree(tmp_path / "DeepSpeed", True))
+    assert made.returncode == 1 and made.stdout == ""
+    assert "this DeepSpeed release differs from the patched ones" in made.stderr, made.stderr
+    assert "deepspeed/runtime/zero/" in made.stderr, made.stderr
+
+
+def test_the_patched_files_pass_deepspeeds_formatters(tmp_path):
+    root = tree(tmp_path / "DeepSpeed", False)
     (tmp_path / "qgz.patch").write_text(diff(root).stdout)
     subprocess.run(["git", "apply", str(tmp_path / "qgz.patch")], cwd=root, check=True)
     from deepspeed_qgz.upstream_edits import edited_paths
@@ -177,19 +166,18 @@ def test_a_replaced_definition_changed_upstream_is_refused(tmp_path):
 
 def test_a_file_the_patch_adds_already_upstream_is_refused(tmp_path):
     root = tree(tmp_path / "DeepSpeed", False)
-    (root / "deepspeed/runtime/comm/quantized_layout.py").write_text("# upstream's own\n")
+    (root / "op_builder/cpu").mkdir(parents=True, exist_ok=True)
+    (root / "op_builder/cpu/quantizer.py").write_text("# upstream's own\n")
     made = diff(root)
-    assert made.returncode == 1 and "quantized_layout.py, which the patch adds, is already in" in made.stderr
+    assert made.returncode == 1 and "op_builder/cpu/quantizer.py, which the patch adds, is already in" in made.stderr
 
 
-def test_an_edit_finds_one_form_or_fails_loudly():
+def test_an_edit_found_twice_fails_loudly():
     from deepspeed_qgz.upstream_edits import EditError, apply_edits
     config = installed("deepspeed/runtime/zero/config.py")
-    both = config.replace("from typing import Optional\n",
-                          "from typing import Optional\nfrom typing import Optional, Dict, Any\n")
-    with pytest.raises(EditError, match="expected 1 occurrence.*of one of 'from typing import Optional"):
-        apply_edits("deepspeed/runtime/zero/config.py", both)
-    assert "from typing import Optional, Union\n" in apply_edits("deepspeed/runtime/zero/config.py", config)
+    with pytest.raises(EditError, match="expected 1 occurrence"):
+        apply_edits("deepspeed/runtime/zero/config.py", config + config)
+    assert "zero_quantized_gradients_max_group_size" in apply_edits("deepspeed/runtime/zero/config.py", config)
 
 
 def test_the_supported_release_has_npu_quantizer():
@@ -197,11 +185,3 @@ def test_the_supported_release_has_npu_quantizer():
     trees without it, edaa722)."""
     import importlib.util
     assert importlib.util.find_spec("deepspeed.ops.op_builder.npu.quantizer") is not None
-
-
-def test_a_loco_test_whose_text_moved_fails_loudly():
-    from deepspeed_qgz.upstream_edits import EditError, apply_edits
-    moved = HEAD + LOCO.replace("        quantizer_module = QuantizerBuilder().load()\n", "        module = None\n")
-    with pytest.raises(EditError, match="expected 1 occurrence"):
-        apply_edits(TEST_MODULE, moved)
-    assert apply_edits(TEST_MODULE, HEAD) == HEAD

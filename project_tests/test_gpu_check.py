@@ -45,7 +45,7 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
         sections.setdefault(section.strip("| "), []).append(status)
     # environment: versions, build, overlay; kernels: 3 kernels at 4 bits and 2 at 8 bits x 8 group
     # sizes (40960 only on a GPU), and the weights' quantize for the 6 of them the contract allows; the probe at 4 and 8 bits; glue: 3 dtypes x 2 precisions x (reference, kernels);
-    # ranks: the collective, default and fused, in 3 dtypes x 2 precisions, training bf16 x
+    # ranks: the collective in 3 dtypes x 2 precisions, training bf16 x
     # on/off; speed: 4 group sizes, one bucket in 2 dtypes x 2 precisions; fused: whether it can
     # run, 3 dtypes x 2 precisions x (against the reference, against the op), a call without a host
     # synchronization, GB/s at 2 precisions, one call in 2 dtypes; fused choice: "auto" in 3 dtypes
@@ -58,7 +58,7 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
         "kernels": 46,
         "sub-warp probe": 2,
         "glue": 12,
-        "ranks": 14,
+        "ranks": 8,
         "speed": 8,
         "fused": 18,
         "fused choice": 6

@@ -6,8 +6,9 @@
 # (some may pass: they guard what it must keep; the first failure ends that run), its source hunks
 # apply with git apply, and DeepSpeed's hooks pass on what it changes; after the last, every pull
 # request's tests pass (each one's after itself is run on DeepSpeed's harness: docs/upstreaming.md),
-# and the qwZ ones on DeepSpeed 0.19.8 with the overlay too; and the overlay's partition_parameters.py
-# (the series' own hunks on 0.19.8's file) is the series' result, byte for byte.
+# and those of test_zeropp.py on DeepSpeed 0.19.8 with the overlay too; and what the overlay installs of
+# DeepSpeed's files (the series' own hunks on 0.19.8's, or the series' result carried whole) is the
+# series' result, byte for byte.
 # DeepSpeed's own test modules are not in the source distribution: the tests the series adds to each
 # of them run as a module of their own (up to the pull request checked), on the DistributedTest
 # stand-in, with LOCAL_SIZE=10
@@ -29,9 +30,9 @@ tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK"
 TREE=$WORK/deepspeed-0.19.8
 python "$ROOT/scripts/series.py" stand-in "$TREE"
 # the files the series changes, before it, for the overlay's reading of its hunks (below)
-mkdir -p "$TREE.orig/deepspeed/runtime/zero" "$TREE.orig/deepspeed/runtime/comm"
-cp "$TREE/deepspeed/runtime/zero/partition_parameters.py" "$TREE.orig/deepspeed/runtime/zero/"
-cp "$TREE/deepspeed/runtime/comm/coalesced_collectives.py" "$TREE.orig/deepspeed/runtime/comm/"
+mkdir -p "$TREE.orig/deepspeed/runtime/zero"
+cp "$TREE"/deepspeed/runtime/zero/{partition_parameters,config,stage3}.py "$TREE.orig/deepspeed/runtime/zero/"
+cp "$TREE/deepspeed/runtime/engine.py" "$TREE.orig/deepspeed/runtime/"
 git -C "$TREE" init -q
 cp -r "$ROOT/project_tests/deepspeed_tests_stand_in" "$WORK/tests"
 # The stand-in tree is imported from source (the overlay off); one OpenMP thread per process.
@@ -65,10 +66,10 @@ for patch in "${PATCHES[@]}"; do
     # the added test lines, as the modules above hold them (their headers' imports may go unused)
     (cd "$WORK/tests" && bash "$ROOT/scripts/deepspeed_hooks.sh" --unused-imports "${MODULES[@]/#/unit/}")
 done
-# What users install today, DeepSpeed 0.19.8 with this repository's overlay, must pass the series' qwZ
-# tests too (the qgZ ones use the series' own definitions, such as 0005's bound on an exchange, which
-# the overlay's collective does not have)
-say "series: every pull request's qwZ tests, on DeepSpeed 0.19.8 with the overlay (what users install)"
+# What users install today, DeepSpeed 0.19.8 with this repository's overlay, must pass the series' tests
+# too: those of test_zeropp.py here (test_coalesced_collectives.py, the series' result of master's, is
+# this repository's, which scripts/deepspeed_tests.sh runs on the overlay)
+say "series: every pull request's tests of test_zeropp.py, on DeepSpeed 0.19.8 with the overlay (what users install)"
 # the overlay installed in the environment must be this checkout's (scripts/setup_env.sh installs it)
 (cd "$WORK" && DS_QGZ_OVERLAY=0 python - "$ROOT" <<'PY'
 import subprocess
@@ -94,36 +95,41 @@ if stale:
     sys.exit(f"series: the installed overlay is not this checkout's ({stale}): pip install --no-deps {root}")
 PY
 )
-# (that module holds the qgZ keys' tests too: 0011's key is the overlay's, 0012's is not, and the
-# training test sets both)
 (cd "$WORK/tests" && DS_QGZ_OVERLAY=1 PYTHONPATH="$ROOT/scripts" python -m pytest -p no:cacheprovider -q -rfE \
-    unit/test_series_zeropp.py -k "not max_group_size and not QuantizedGradientsKeys" "$@")
-# One source of truth: the overlay edits ZeRO-3's partition_parameters.py with the series' own hunks
-# (deepspeed_qgz/series.py); its result on 0.19.8's file must be the stand-in's after the last pull request
-say "series: the overlay's partition_parameters.py is the series' (what users install is what DeepSpeed is asked to take)"
-(cd "$WORK" && DS_QGZ_OVERLAY=0 python - "$TREE" <<'PY'
+    unit/test_series_zeropp.py "$@")
+# One source of truth: what the overlay installs of DeepSpeed's files is the series' result. It edits
+# the files the series made against 0.19.8's with the series' own hunks (deepspeed_qgz/series.py),
+# and carries the two whose base is master's whole: coalesced_collectives.py must be the stand-in's
+# after the last pull request, and its test module, with the series' hunks taken back out, master's
+say "series: what the overlay installs of DeepSpeed's files is the series' result, byte for byte"
+(cd "$WORK" && DS_QGZ_OVERLAY=0 python - "$TREE" "$ROOT" <<'PY'
 import sys
 from pathlib import Path
 
 from deepspeed_qgz.series import series_edits
-from deepspeed_qgz.upstream_edits import QWZ_PATH, apply_edits
+from deepspeed_qgz.upstream_edits import SERIES_PATHS, TREE_ONLY, apply_edits
+from series import blob_id
 
-tree = Path(sys.argv[1])
-original = Path(sys.argv[1] + ".orig") / QWZ_PATH
-if apply_edits(QWZ_PATH, original.read_text()) != (tree / QWZ_PATH).read_text():
-    sys.exit(f"series: the overlay's {QWZ_PATH} differs from the series' result")
-print(f"series: the overlay's {QWZ_PATH} is the series' result, byte for byte")
-# the overlay's reading of the series (series.py) on its other file too, which the overlay does not
-# edit yet (its own coalesced_collectives.py replaces it): each hunk found once, the series' result
+tree, root = Path(sys.argv[1]), Path(sys.argv[2])
+for path in SERIES_PATHS:
+    if path.startswith(TREE_ONLY):  # the source distribution has no docs or tests (the test module: below)
+        continue
+    if apply_edits(path, (Path(sys.argv[1] + ".orig") / path).read_text()) != (tree / path).read_text():
+        sys.exit(f"series: the overlay's {path} differs from the series' result")
+    print(f"series: the overlay's {path} (0.19.8's with the series' hunks) is the series' result")
 path = "deepspeed/runtime/comm/coalesced_collectives.py"
-text = (Path(sys.argv[1] + ".orig") / path).read_text()
-for patch, old, new in series_edits(path):
-    if text.count(old) != 1:
-        sys.exit(f"series: a hunk of {patch} found {text.count(old)} times in {path}")
-    text = text.replace(old, new)
-if text != (tree / path).read_text():
-    sys.exit(f"series: its hunks of {path}, as the overlay reads them, do not give the series' result")
-print(f"series: the series' hunks of {path}, as the overlay reads them, give its result")
+if (root / path).read_bytes() != (tree / path).read_bytes():
+    sys.exit(f"series: this repository's {path} differs from the series' result")
+print(f"series: this repository's {path} is the series' result")
+path, master_blob = "tests/unit/runtime/comm/test_coalesced_collectives.py", "160d79283d15c302bfa2596c7cecf86ea5040d14"
+text = (root / path).read_text()
+for patch, old, new in reversed(series_edits(path)):
+    if text.count(new) != 1:
+        sys.exit(f"series: a hunk of {patch} found {text.count(new)} times in this repository's {path}")
+    text = text.replace(new, old)
+if blob_id(text.encode()) != master_blob:
+    sys.exit(f"series: this repository's {path} without the series' hunks is not master's (blob {master_blob[:12]})")
+print(f"series: this repository's {path} is master's (blob {master_blob[:12]}) with the series' hunks")
 PY
 )
 say "series: every pull request checked"

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The patch's DeepSpeed tests (this repository's tests/, at DeepSpeed's paths) against the installed
-# DeepSpeed (the overlay, or a DeepSpeed patched in-tree) or a patched DeepSpeed checkout, on the CPU
-# accelerator, run as DeepSpeed runs its CPU tests: LOCAL_SIZE in the environment at least the largest world size (10).
+# The tests in DeepSpeed's form: the patch's (tests/, at DeepSpeed's paths: the series' result of
+# DeepSpeed's test module of the collectives) and this package's own (package_tests/: its qgZ
+# pipeline, fused kernels, CPU op, and qwZ and ZeRO++ on worlds of simulated nodes), against the
+# installed DeepSpeed (the overlay, or a DeepSpeed patched in-tree) or a patched DeepSpeed checkout,
+# on the CPU accelerator, run as DeepSpeed runs its CPU tests: LOCAL_SIZE in the environment at least
+# the largest world size (10).
 #   bash scripts/deepspeed_tests.sh [--deepspeed-tree PATH] [pytest arguments]
 # With --deepspeed-tree PATH (a DeepSpeed git checkout): a copy of the tree with the whole patch
 # (`python -m deepspeed_qgz diff --deepspeed-tree PATH`, made against that tree's files) applied by
 # git apply and installed as DeepSpeed installs into a fresh environment (scripts/patched_env.sh),
 # its tests run there with DeepSpeed's own conftest.py, pytest.ini and unit/common.py; DeepSpeed's
-# own tests of the module run beside the new ones. Without: the repository's tests/ beside a
-# stand-in for DeepSpeed's DistributedTest (project_tests/deepspeed_tests_stand_in), against the
+# own tests of the module run beside the new ones. Without: the repository's tests/ and package_tests/
+# beside a stand-in for DeepSpeed's DistributedTest (project_tests/deepspeed_tests_stand_in), against the
 # installed DeepSpeed, which is how CI runs them (DeepSpeed's source distribution ships no tests).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,8 +38,9 @@ if [ -n "$TREE" ]; then
     ln -s tree/tests "$WORK/tests"
     mapfile -t FILES < <(grep '^+++ b/tests/.*/test_[^/]*\.py$' "$WORK/qgz.patch" | sed 's|^+++ b/tests/||')
 else
-    say "DeepSpeed tests: this repository's tests/ with a stand-in for DeepSpeed's DistributedTest"
+    say "DeepSpeed tests: this repository's tests/ and package_tests/ with a stand-in for DeepSpeed's DistributedTest"
     cp -r "$ROOT/tests" "$WORK/tests"
+    cp -r "$ROOT/package_tests/." "$WORK/tests/"
     cp -r "$ROOT/project_tests/deepspeed_tests_stand_in/." "$WORK/tests/"
     export PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"  # the stand-in's qgz_harness
     mapfile -t FILES < <(cd "$WORK/tests" && find unit -name 'test_*.py' | sort)

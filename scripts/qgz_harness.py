@@ -251,7 +251,7 @@ class BeyondContract:
         self.ops, self.Symmetric = ops, ops.Symmetric
 
     def quantized_reduction(self, data, scales, in_groups, out_groups, num_bits, quant_type, local_world_size):
-        from deepspeed.ops.quantizer import qgz_contract, qgz_reference
+        from deepspeed_qgz.qgz import qgz_contract, qgz_reference
         args = (data, scales, in_groups, out_groups, num_bits, quant_type, local_world_size)
         if qgz_contract.quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
                                                        quant_type, local_world_size):
@@ -274,7 +274,7 @@ class CollectiveCounter:
         self.reset()
 
     def reset(self):
-        self.calls, self.intra_bytes, self.inter_bytes = 0, 0, 0
+        self.calls, self.all_to_all_calls, self.intra_bytes, self.inter_bytes = 0, 0, 0, 0
 
     def _within_node(self, group) -> bool:
         import torch.distributed as torch_dist
@@ -287,6 +287,7 @@ class CollectiveCounter:
         def counted(output, tensor, group=None, **kwargs):
             size = dist.get_world_size(group)
             self.calls += 1
+            self.all_to_all_calls += 1
             sent = tensor.numel() * tensor.element_size() * (size - 1) // size
             if self._within_node(group):
                 self.intra_bytes += sent
@@ -393,7 +394,7 @@ class WorkCounter:
 
         self._mode = Mode()
         self._mode.__enter__()
-        from deepspeed.runtime.comm import quantized_fused
+        from deepspeed_qgz.qgz import quantized_fused
         self._fused, self._launch = quantized_fused, quantized_fused._launch
 
         def launch(kernel, grid, args, meta, reads=()):

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The main job, from a fresh machine: the bug report's training on 3 nodes x 2 processes (three
 # torchrun agents on 127.0.0.1) with zero_quantized_gradients true, next to the same run with it
-# false and with the fused Triton kernels (zero_quantized_gradients_fused, in Triton's interpreter on
-# a CPU); prints the loss curves, a one-line qgZ summary, and whether the fused run's losses and
-# weights are the default's, bit for bit.
+# false; prints the loss curves, the gradient collectives DeepSpeed's comms logger counted, and the
+# bytes handed to them per step, on and off.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"

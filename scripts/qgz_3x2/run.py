@@ -4,12 +4,10 @@
 # DeepSpeed Team
 """Run the report's training on 3 nodes x 2 processes on this machine: three torchrun agents with
 a c10d rendezvous on 127.0.0.1, LOCAL_SIZE=2 so DeepSpeed's CPU accelerator sees two devices per
-node. With --compare, runs qgZ on and off, and qgZ on with the fused Triton kernels
-(zero_quantized_gradients_fused, in Triton's interpreter here), and prints the loss curves side by
-side."""
+node. With --compare, runs qgZ on and off, and prints the loss curves side by side and the bytes the
+gradient reduce-scatter's collectives took, as DeepSpeed's comms logger counts them."""
 
 import argparse
-import importlib.util
 import json
 import math
 import re
@@ -41,8 +39,8 @@ def build_ops():
 
 
 def run(config, steps, label="", timeout=900, env=None):
-    """Returns ({rank: [loss per step]}, rank 0's report (its reduce-scatter summary under "qgz",
-    the trained weights under "weights"), the agents' combined output)."""
+    """Returns ({rank: [loss per step]}, rank 0's report (its gradient collectives' calls and bytes
+    under "collectives", the trained weights under "weights"), the agents' combined output)."""
     progress = Progress(steps, label) if label else None
 
     def on_output(line):
@@ -86,61 +84,38 @@ def main():
     args = parser.parse_args()
 
     build_ops()
-    runs = 3 if args.compare else 1
+    runs = 2 if args.compare else 1
     log(f"run 1/{runs}: zero_quantized_gradients true, {NODES} torchrun agents x {PROCS_PER_NODE} processes")
     qgz_losses, qgz, _ = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ")
-    exact_losses = exact = fused_losses = fused = None
+    exact_losses = exact = None
     if args.compare:
         log(f"run 2/{runs}: zero_quantized_gradients false")
         exact_losses, exact, _ = run(HERE / "ds_config_exact.json", args.steps, "qgZ off")
-        if importlib.util.find_spec("triton") is None:
-            log(f"run 3/{runs}: skipped, Triton is not installed (the fused kernels need it)")
-        else:
-            log(f"run 3/{runs}: zero_quantized_gradients true with zero_quantized_gradients_fused true (the fused "
-                "Triton kernels, in Triton's interpreter on this CPU)")
-            with tempfile.TemporaryDirectory() as folder:
-                config = json.loads((HERE / "ds_config_qgz.json").read_text())
-                config["zero_optimization"]["zero_quantized_gradients_fused"] = True
-                (Path(folder) / "ds_config.json").write_text(json.dumps(config))
-                fused_losses, fused, _ = run(Path(folder) / "ds_config.json",
-                                             args.steps,
-                                             "fused  ",
-                                             env={"TRITON_INTERPRET": "1"})
     print(f"{NODES} nodes x {PROCS_PER_NODE} processes, ZeRO-3, bf16, {args.steps} steps; loss per step, the mean "
           f"over the {len(qgz_losses)} ranks")
-    print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'difference':>11}" if exact_losses else "") +
-          (f"  {'qgZ fused':>10}" if fused_losses else ""))
+    print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'difference':>11}" if exact_losses else ""))
     for step in range(args.steps):
         loss = mean_loss(qgz_losses, step)
         line = f"{step:>4}  {loss:>10.6f}"
         if exact_losses:
             ref = mean_loss(exact_losses, step)
             line += f"  {ref:>10.6f}  {loss - ref:>+11.6f}"
-        if fused_losses:
-            line += f"  {mean_loss(fused_losses, step):>10.6f}"
         print(line)
     finite = all(math.isfinite(loss) for losses in qgz_losses.values() for loss in losses)
     print(f"all {len(qgz_losses)} ranks finite: {finite}")
-    for label, report in (("qgZ on", qgz), ("qgZ fused", fused)):
-        for reason in (report or {}).get("fused_choices", []):
-            print(f"{label}: {reason}")
-    summary = qgz["qgz"]
-    print(f"qgZ: {summary['calls']} calls, {summary['quantized_tensors']} tensors ({summary['quantized_elems']} "
-          f"elements) quantized, {summary['padding_elems']} padding elements added, {summary['exact_tensors']} 1-D "
-          f"tensors exact, {summary['collective_calls']} collective calls")
-    same = True
-    if fused:
-        same = fused_losses == qgz_losses and fused["weights"] == qgz["weights"]
-        print(f"qgZ fused against qgZ on DeepSpeed's kernels: every rank's losses and the trained weights "
-              f"identical: {same}")
+    on = qgz["collectives"]
+    all_to_all = on.get("all_to_all_single", {"calls": 0, "bytes": 0})
+    fallback = on.get("reduce_scatter_tensor", {"calls": 0})["calls"]
+    print(f"qgZ, rank 0: {all_to_all['calls']} all-to-alls of {all_to_all['bytes']} bytes in all, {fallback} "
+          f"reduce-scatters (DeepSpeed's comms logger)")
     if exact:
         print(f"trained weights, qgZ on against off: relative difference "
               f"{relative_difference(qgz['weights'], exact['weights']):.2e}")
-        for where in ("inter", "intra"):
-            on = summary[f"{where}_node_bytes"] / args.steps
-            off = exact["qgz"][f"{where}_node_bytes"] / args.steps
-            print(f"{where}-node bytes per step and rank: qgZ on {on:.0f}, off {off:.0f} ({on / off:.3f}x)")
-    return 0 if finite and summary["quantized_tensors"] > 0 and same else 1
+        off = exact["collectives"]["reduce_scatter_tensor"]["bytes"]
+        print(
+            f"bytes handed to the gradient collectives per step, rank 0: qgZ on {all_to_all['bytes'] / args.steps:.0f} "
+            f"(all-to-all), off {off / args.steps:.0f} (reduce-scatter) ({all_to_all['bytes'] / off:.3f}x)")
+    return 0 if finite and all_to_all["calls"] > 0 and fallback == 0 else 1
 
 
 if __name__ == "__main__":

@@ -7,11 +7,8 @@ batched collective operations for overhead amortization and better
 bandwidth utilization
 """
 
-import logging
 import math
-from dataclasses import dataclass, fields
-from typing import Dict, List, Optional
-
+from typing import List
 import torch
 from torch import Tensor
 from deepspeed import comm as dist
@@ -19,226 +16,169 @@ from deepspeed.comm import ProcessGroup, all_to_all_single
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import instrument_w_nvtx
 from deepspeed.ops import op_builder
-from deepspeed.ops.quantizer.qgz_contract import checked
-from deepspeed.utils import logger
-from deepspeed.runtime.comm.quantized_fused_choice import choose_fused, resolve_fused
-from deepspeed.runtime.comm.quantized_layout import resolve_group_size, resolve_intra_node_bits
-from deepspeed.runtime.comm.quantized_pipeline import (chunk_cat, pipeline_stages, quantized_reduce_plan,
-                                                       quantized_reduce_scatter)
 
 
 def _torch_reduce_scatter_fn(input_tensor: Tensor, output_tensor: Tensor, group=None, async_op=False, prof=False):
     return instrument_w_nvtx(dist.reduce_scatter_fn)(output_tensor, input_tensor, group=group, async_op=False)
 
 
-# The loaded quantizer op, cached on first use. A caller may set it (DeepSpeed's own tests set the
-# pure-PyTorch NPUQuantizer); whatever is set here is what all_to_all_quant_reduce uses, behind the
-# contract checks. It holds the op itself, as upstream's does, for the other users of this global
-# (LoCo's all_to_all_loco_quant_reduce, in trees that have it, calls its LoCo kernels).
 quantizer_module = None
-
-# The kernels read fp16; gradients in the other dtypes are brought into fp16 range group by group
-# (quantized_pipeline.py).
-QUANTIZABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _get_quantizer_module():
-    """DeepSpeed's QuantizerBuilder op for this accelerator (CUDA, or the CPU op on the CPU
-    accelerator), loaded once, or the op a caller set, behind the kernel-contract checks."""
-    global quantizer_module
-    if quantizer_module is None:
-        quantizer_module = op_builder.QuantizerBuilder().load()
-    return checked(quantizer_module)
-
-
-@dataclass
-class QuantizedReduceStats:
-    """What the gradient reduce-scatters of this module did: all_to_all_quant_reduce's calls
-    (``calls``; their 1-D tensors go through the exact path) and reduce_scatter_coalesced's own
-    calls (``reduce_scatter_calls``), with the bytes each rank sent to the other ranks of its node
-    and to other nodes. Per call in ``qgz_accounting.last_call``, summed in ``qgz_accounting.totals``."""
-    calls: int = 0
-    reduce_scatter_calls: int = 0
-    quantized_tensors: int = 0
-    quantized_elems: int = 0
-    padding_elems: int = 0
-    exact_tensors: int = 0
-    exact_elems: int = 0
-    collective_calls: int = 0
-    intra_node_bytes: int = 0
-    inter_node_bytes: int = 0
-
-    def add(self, other: "QuantizedReduceStats") -> None:
-        for field in fields(self):
-            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
-
-
-class _QuantizedReduceAccounting:
-
-    def __init__(self):
-        self.last_call = QuantizedReduceStats()
-        self.totals = QuantizedReduceStats()
-
-    def reset(self):
-        self.__init__()
-
-    def record(self, stats: QuantizedReduceStats) -> None:
-        self.last_call = stats
-        self.totals.add(stats)
-
-
-qgz_accounting = _QuantizedReduceAccounting()
-
-
-def _check_tensors(tensors: List[Tensor], op: str) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        raise ValueError(f"{op}: all tensors must share a dtype, got {sorted(map(str, dtypes))}")
-
-
-def _all_to_all(buffer: Tensor, group: Optional[ProcessGroup], size: int) -> Tensor:
-    """All-to-all of `size` equal row blocks of `buffer` over `group`; a group of one is the identity."""
-    if size == 1:
-        return buffer
-    received = torch.empty_like(buffer)
-    all_to_all_single(received, buffer, group=group)
-    return received
-
-
-def _quantized_topology(groups: Dict[str, ProcessGroup]):
-    """(num_nodes, local_world_size, this node's group, this local rank's cross-node group), as
-    deepspeed.utils.groups._get_local_all_to_all_group builds them. On a single node the node's
-    group is the whole world, so `groups` may leave it out there."""
-    local_world_size = get_accelerator().device_count()
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    if local_world_size < 1 or world_size % local_world_size:
-        raise ValueError(f"all_to_all_quant_reduce: world size {world_size} is not a multiple of the "
-                         f"accelerator's device count {local_world_size}")
-    num_nodes = world_size // local_world_size
-    node, local_rank = divmod(rank, local_world_size)
-    wanted = {f"local_{node}": local_world_size}
-    if num_nodes > 1:
-        wanted[f"global_{local_rank}"] = num_nodes
-    for key, size in wanted.items():
-        if key not in groups:
-            if num_nodes == 1:
-                continue  # the world itself
-            raise ValueError(f"all_to_all_quant_reduce: groups has no '{key}' for rank {rank} "
-                             f"({num_nodes} nodes x {local_world_size} devices); keys: {sorted(groups)}")
-        if dist.get_world_size(groups[key]) != size:
-            raise ValueError(f"all_to_all_quant_reduce: group '{key}' has {dist.get_world_size(groups[key])} "
-                             f"ranks, expected {size} ({num_nodes} nodes x {local_world_size} devices)")
-    return num_nodes, local_world_size, groups.get(f"local_{node}"), groups.get(f"global_{local_rank}")
+# The values an exchange of all_to_all_quant_reduce stages, padding included, unless one tensor has more:
+# its buffers take about 3.5 bytes per value (with int8 inside the node, 4 + 6 / devices per node), and
+# the kernels count them in ints.
+quant_reduce_exchange_values = 2**27
 
 
 @instrument_w_nvtx
 @torch.no_grad()
 def all_to_all_quant_reduce(tensors: List[Tensor],
-                            groups: Dict[str, ProcessGroup],
-                            group_size: Optional[int] = None,
-                            intra_node_bits: Optional[int] = None,
-                            fused=False) -> List[Tensor]:
-    """Quantized (ZeRO++ qgZ) drop-in for ``reduce_scatter_coalesced(tensors)`` over the world.
+                            groups: {},
+                            intra_node_bits: int = 4,
+                            max_group_size: int = 40960) -> List[Tensor]:
+    global quantizer_module
+    if intra_node_bits not in (4, 8):
+        raise ValueError(f"all_to_all_quant_reduce: intra_node_bits must be 4 or 8, got {intra_node_bits}")
+    if max_group_size % 8 or not 136 <= max_group_size <= 40960:
+        raise ValueError(f"all_to_all_quant_reduce: max_group_size must be a multiple of 8 from 136 to 40960, "
+                         f"got {max_group_size}")
+    if quantizer_module is None:
+        quantizer_module = op_builder.QuantizerBuilder().load()
+    local_world_size = get_accelerator().device_count()
+    global_world_size = dist.get_world_size()
+    num_nodes = global_world_size // local_world_size
+    this_rank = dist.get_rank()
+    intra_idx = int(this_rank / local_world_size)
+    inter_idx = this_rank % local_world_size
+    output_lst: List[Tensor] = [None] * len(tensors)
+    unquantized, exchanges, exchange_values, open_exchanges = [], [], [], {}
+    for idx, tensor in enumerate(tensors):
+        # The two-stage exchange needs more than one node, the group rule below two dimensions, and
+        # the padding below a partition to pad.
+        if tensor.dim() < 2 or tensor.numel() == 0 or num_nodes <= 1:
+            unquantized.append(idx)
+        else:
+            # Groups keep the size max(shape[0], shape[1], world) groups have, where the kernels take
+            # it: whole 16-byte vectors of 8 fp16 values, at least 136 values (quantized_reduction
+            # reduces a group across a whole warp, which smaller groups do not fill) and at most
+            # 40960 (swizzle_quant's largest unroll), or max_group_size.
+            group_count = max(tensor.shape[0], tensor.shape[1], global_world_size)
+            group_size = 8 * math.ceil(tensor.numel() / group_count / 8)
+            group_size = min(max(group_size, 136), max_group_size)
+            # The kernels take groups of one size per call, so tensors whose groups have the same size
+            # share one exchange (3 kernels and 4 all-to-alls instead of that many per tensor), each in
+            # the groups it has alone, up to quant_reduce_exchange_values staged values.
+            staged = global_world_size * group_size * math.ceil(tensor.numel() / global_world_size / group_size)
+            exchange = open_exchanges.get(group_size)
+            if exchange is None or exchange_values[exchange] + staged > quant_reduce_exchange_values:
+                exchange = open_exchanges[group_size] = len(exchanges)
+                exchanges.append((group_size, []))
+                exchange_values.append(0)
+            exchanges[exchange][1].append(idx)
+            exchange_values[exchange] += staged
+    if unquantized:
+        # one reduce-scatter for all of them
+        for idx, output in zip(unquantized, reduce_scatter_coalesced([tensors[idx] for idx in unquantized])):
+            output_lst[idx] = output
+    if exchanges:
+        # The kernels compute in fp16 whatever the gradients' dtype, so each gradient goes in scaled by
+        # the power of two that puts its largest magnitude on any rank below 2**15 / world: the sum of
+        # the world stays in fp16's range, and small gradients stay above its subnormals.
+        quantized = [idx for _, indices in exchanges for idx in indices]
+        norms = [torch.linalg.vector_norm(tensors[idx], math.inf) for idx in quantized]
+        largest = torch.stack(norms).float()
+        # A gradient holding NaN or inf on any rank comes back NaN in every partition: the kernels'
+        # max reductions skip NaN (fmaxf), which then quantizes to 0, and so may the MAX below.
+        largest.nan_to_num_(nan=math.inf, posinf=math.inf)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        # largest < 2**exponents, from its fp32 exponent field (0 and the subnormals give -126), and
+        # the powers of two made from their fields: exact on every accelerator, and both finite and
+        # normal in fp32 for exponents within +-126
+        world_bits = math.ceil(math.log2(global_world_size))
+        exponents = (largest.view(torch.int32) >> 23) - 126
+        exponents = (exponents + world_bits - 15).clamp(-126, 126)
+        down = ((127 - exponents) << 23).view(torch.float32)
+        up = ((127 + exponents) << 23).view(torch.float32)
+        up = torch.where(largest.isfinite(), up, math.nan)
+        scales = dict(zip(quantized, down.split(1)))
+        unscales = dict(zip(quantized, up.split(1)))
+    for group_size, indices in exchanges:
+        # The kernels cut their input into world-size partitions of whole quantization groups and
+        # drop what does not divide evenly (#5054), so give them each tensor's reduce_scatter_coalesced
+        # partitions, each padded with zeros to whole groups: rank r's side by side in row r.
+        partition_sizes = [math.ceil(tensors[idx].numel() / global_world_size) for idx in indices]
+        padded_sizes = [group_size * math.ceil(size / group_size) for size in partition_sizes]
+        padded = torch.zeros(global_world_size, sum(padded_sizes), dtype=torch.half, device=tensors[indices[0]].device)
+        offset = 0
+        for idx, partition_size, padded_size in zip(indices, partition_sizes, padded_sizes):
+            tensor = tensors[idx]
+            flat = tensor.reshape(-1)
+            # scaled, the full partitions in one multiply, then the short one that remains unless the
+            # world divides the tensor
+            full_partitions = tensor.numel() // partition_size
+            last_start = full_partitions * partition_size
+            last_size = tensor.numel() - last_start
+            torch.mul(flat[:last_start].view(full_partitions, partition_size),
+                      scales[idx],
+                      out=padded[:full_partitions, offset:offset + partition_size])
+            if last_size:
+                torch.mul(flat[last_start:], scales[idx], out=padded[full_partitions, offset:offset + last_size])
+            offset += padded_size
+        intra_quant_group = padded.numel() // group_size
 
-    Tensors of two or more dimensions go through one hierarchical exchange for the whole call
-    (int4 or int8 within each node, then int4 across nodes, any node count), one quantizer kernel
-    per step (quantized_pipeline.py); 1-D tensors, which hold little of a model's gradient, take one
-    exact reduce_scatter_coalesced together. A call whose kernels would leave their int32 indexing
-    runs the exchange once per run of tensors that fits.
-
-    Args:
-        tensors: this rank's gradients, one dtype (fp16, bf16 or fp32) and one device.
-        groups: deepspeed.utils.groups._get_local_all_to_all_group()'s dict ('local_{node}' and
-            'global_{local rank}'). Only the groups an exchange needs must be there: none for a call
-            of 1-D tensors only, and on a single node the whole world serves as 'local_0'.
-        group_size: the largest quantization group, in values (quantized_layout.resolve_group_size).
-        intra_node_bits: 4 or 8, the precision of the intra-node exchange
-            (quantized_layout.resolve_intra_node_bits).
-        fused: False, True or "auto" (quantized_fused_choice.py): whether the three stages run as
-            fused Triton kernels (quantized_fused.py: one launch each, the same results bit for bit,
-            on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1); "auto" where the rank's
-            device checks their bits and they are faster, with every rank's agreement.
-
-    Returns:
-        For each tensor, rank r's elements [r * C, min((r + 1) * C, numel)) of the average over
-        all ranks of the flattened tensor, C = ceil(numel / world_size), in the tensor's dtype:
-        the partitions of reduce_scatter_coalesced, with the error of two quantization stages.
-        A non-finite value in any rank's input makes (at least) its group of the owner's partition
-        non-finite.
-
-    Raises:
-        ValueError: before any collective, for mixed dtypes or devices, an unsupported dtype, a
-            world size that is not a multiple of the accelerator's device count, a missing or
-            mis-sized group, an invalid group size or precision, a tensor too large for the
-            kernels, or a `fused` setting that is not one of the three; with `fused` True, fused
-            kernels that cannot run here or whose self-check fails; each names the values.
-    """
-    if not tensors:
-        return []
-    _check_tensors(tensors, "all_to_all_quant_reduce")
-    if tensors[0].dtype not in QUANTIZABLE_DTYPES:
-        raise ValueError(f"all_to_all_quant_reduce: unsupported dtype {tensors[0].dtype}; "
-                         f"expected one of {QUANTIZABLE_DTYPES}")
-    group_size = resolve_group_size(group_size)
-    intra_node_bits = resolve_intra_node_bits(intra_node_bits)
-    fused = resolve_fused(fused)
-    quantized = [i for i, t in enumerate(tensors) if t.dim() > 1 and t.numel() > 0]
-    exact = [i for i, t in enumerate(tensors) if t.dim() <= 1 and t.numel() > 0]
-    if quantized:
-        num_nodes, local_world_size, local_group, global_group = _quantized_topology(groups)
-        plan = quantized_reduce_plan(tuple(tensors[i].numel() for i in quantized), num_nodes, local_world_size,
-                                     group_size, intra_node_bits)
-        # DeepSpeed's kernels: the default path's, and "auto"'s timing of it; `true` never loads them
-        quantizer = None if fused is True else _get_quantizer_module()
-        run_stages = []  # every run's kernels decided (self-checked at a key's first call) before any launch
-        for start, layout in plan:
-            run_tensors = [tensors[i] for i in quantized[start:start + len(layout.tensors)]]
-            run_stages.append(pipeline_stages(quantizer, choose_fused(fused, run_tensors, layout, quantizer)))
-
-    outputs: List[Tensor] = [t.new_empty(0) if t.numel() == 0 else None for t in tensors]
-    stats = QuantizedReduceStats(calls=1)
-    if exact:
-        exact_tensors = [tensors[i] for i in exact]
-        for i, output in zip(exact, _reduce_scatter_coalesced(exact_tensors)):
-            outputs[i] = output
-        stats.add(_reduce_scatter_stats(exact_tensors, None))
-    if quantized:
-        for (start, layout), stages in zip(plan, run_stages):
-            run = quantized[start:start + len(layout.tensors)]
-            results = quantized_reduce_scatter([tensors[i] for i in run], layout, stages,
-                                               lambda slots: _all_to_all(slots, local_group, local_world_size),
-                                               lambda slots: _all_to_all(slots, global_group, num_nodes),
-                                               dist.get_rank())
-            for i, output in zip(run, results):
-                outputs[i] = output
-            stats.quantized_tensors += len(run)
-            stats.quantized_elems += sum(t.numel for t in layout.tensors)
-            stats.padding_elems += layout.padding_elems
-            stats.collective_calls += (local_world_size > 1) + (num_nodes > 1)
-            stats.intra_node_bytes += layout.intra_node_bytes
-            stats.inter_node_bytes += layout.inter_node_bytes
-
-    qgz_accounting.record(stats)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug(f"all_to_all_quant_reduce: {stats}")
-    return outputs
-
-
-def _reduce_scatter_stats(tensors: List[Tensor], group: Optional[ProcessGroup]) -> QuantizedReduceStats:
-    """The exact reduce-scatter of `tensors` over `group`: one collective in which each rank sends
-    a partition-sized share to every other rank of the group, inside its node or across."""
-    ranks = torch.distributed.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-    local_world_size, rank = get_accelerator().device_count(), dist.get_rank()
-    same_node = sum(1 for other in ranks if other // local_world_size == rank // local_world_size)
-    share = sum(math.ceil(t.numel() / len(ranks)) for t in tensors) * tensors[0].element_size()
-    return QuantizedReduceStats(exact_tensors=len(tensors),
-                                exact_elems=sum(t.numel() for t in tensors),
-                                collective_calls=1,
-                                intra_node_bytes=(same_node - 1) * share,
-                                inter_node_bytes=(len(ranks) - same_node) * share)
+        inter_quant_group = intra_quant_group // local_world_size
+        intra_quant_int4, intra_q_scales = quantizer_module.swizzle_quant(padded, intra_quant_group, intra_node_bits,
+                                                                          quantizer_module.Symmetric, 1, num_nodes,
+                                                                          local_world_size)
+        local_output = torch.empty_like(intra_quant_int4)
+        scale_output = torch.empty_like(intra_q_scales)
+        all_to_all_single(local_output, intra_quant_int4, group=groups[f'local_{intra_idx}'])
+        all_to_all_single(scale_output, intra_q_scales, group=groups[f'local_{intra_idx}'])
+        if intra_node_bits == 4:
+            global_input_tensor, global_scales = quantizer_module.quantized_reduction(
+                local_output, scale_output, intra_quant_group, inter_quant_group, 4, quantizer_module.Symmetric,
+                local_world_size)
+        else:
+            # quantized_reduction requantizes in the bits it reads, and across nodes the gradients go in
+            # int4, so sum the node's copies here and quantize the sums in the same groups and order (one
+            # partition: swizzle_quant keeps the order). One copy is dequantized at a time, to fp16 (half
+            # dequantize_fp32's memory), and the sum is kept in fp32, so that it rounds once, to fp16.
+            node_sums = torch.zeros(local_output.numel() // local_world_size,
+                                    dtype=torch.float32,
+                                    device=local_output.device)
+            for copy, copy_scales in zip(local_output.chunk(local_world_size), scale_output.chunk(local_world_size)):
+                node_sums += quantizer_module.dequantize(copy, copy_scales, inter_quant_group, intra_node_bits,
+                                                         quantizer_module.Symmetric).view(-1)
+            global_input_tensor, global_scales = quantizer_module.swizzle_quant(node_sums.half(), inter_quant_group, 4,
+                                                                                quantizer_module.Symmetric, 1, 1, 1)
+            del node_sums
+        global_output = torch.empty_like(global_input_tensor)
+        global_scale_output = torch.empty_like(global_scales)
+        all_to_all_single(global_output, global_input_tensor, group=groups[f'global_{inter_idx}'])
+        all_to_all_single(global_scale_output, global_scales, group=groups[f'global_{inter_idx}'])
+        final_output = quantizer_module.dequantize(global_output, global_scale_output, global_scale_output.numel(), 4,
+                                                   quantizer_module.Symmetric)
+        assert final_output.numel(
+        ) % num_nodes == 0, f"final_output.numel()={final_output.numel()} is not divisible by num_nodes={num_nodes}"
+        # quantized_reduction summed the local ranks and this sums the nodes, so divide by
+        # every rank to return the average, as the reduce_scatter branch above does.
+        average = sum(list(final_output.chunk(num_nodes))) / global_world_size
+        offset = 0
+        for idx, partition_size, padded_size in zip(indices, partition_sizes, padded_sizes):
+            tensor = tensors[idx]
+            # this rank's partition in the gradients' dtype, as reduce_scatter_coalesced returns it:
+            # the last ranks' are shorter or empty
+            partition_start = min(this_rank * partition_size, tensor.numel())
+            partition_end = min(partition_start + partition_size, tensor.numel())
+            # in the dtype, multiplied back (in fp32, the scales' dtype) and kept within the dtype's
+            # range: fp16's rounding takes a gradient at fp32's largest value past it
+            output = average.narrow(0, offset, partition_end - partition_start).to(tensor.dtype)
+            output.mul_(unscales[idx])
+            finfo = torch.finfo(tensor.dtype)
+            output_lst[idx] = output.clamp_(-finfo.max, finfo.max)
+            offset += padded_size
+        # free this exchange's buffers before the next one stages its own
+        del padded, intra_quant_int4, local_output, global_input_tensor, global_output, final_output
+    return output_lst
 
 
 @instrument_w_nvtx
@@ -247,48 +187,60 @@ def reduce_scatter_coalesced(
     tensors: List[Tensor],
     group: ProcessGroup = None,
 ) -> List[Tensor]:
-    """Reduce-scatter a list of tensors in one collective.
-
-    Args:
-        tensors: tensors of one dtype on one device; never written to.
-        group: the process group (the world if None).
-
-    Returns:
-        For each tensor, rank r's elements [r * C, min((r + 1) * C, numel)) of the average over the
-        group, C = ceil(numel / world_size), as 1-D views into one shared buffer.
+    """simultaneously reduce-scatter a list of tensors - this can be done more
+    efficiently than individual reduce scatter calls
+    TODO. see if PyTorch team wants a c++ version of this for ProcessGroupNCCL
     """
-    if not tensors:
-        return []
-    outputs = _reduce_scatter_coalesced(tensors, group)
-    stats = _reduce_scatter_stats(tensors, group)
-    stats.reduce_scatter_calls = 1
-    qgz_accounting.record(stats)
-    return outputs
-
-
-def _reduce_scatter_coalesced(tensors: List[Tensor], group: Optional[ProcessGroup] = None) -> List[Tensor]:
-    _check_tensors(tensors, "reduce_scatter_coalesced")
     this_rank = dist.get_rank(group)
     world_sz = dist.get_world_size(group)
 
-    partitions = [math.ceil(t.numel() / world_sz) for t in tensors]
-    offsets = [0]
-    for partition in partitions:
-        offsets.append(offsets[-1] + partition)
+    partition_lst_for_each_tensor = [None] * len(tensors)
+    for tensor_idx, tensor in enumerate(tensors):
+        flattened_tensor = tensor.view(-1)
+        chunk_sz = math.ceil(tensor.numel() / world_sz)
+        partition_lst_for_each_tensor[tensor_idx] = [
+            flattened_tensor[rank * chunk_sz:rank * chunk_sz + chunk_sz] for rank in range(0, world_sz)
+        ]
 
-    # Row r holds every tensor's rank-r partition (zero-padded to C), so one reduce-scatter of the
-    # flat buffer leaves all of this rank's partitions in its own row.
-    buffer = torch.empty(world_sz, offsets[-1], dtype=tensors[0].dtype, device=tensors[0].device)
-    nonempty = [t.reshape(-1) for t in tensors if t.numel()]
-    if nonempty:
-        chunk_cat(nonempty, buffer)
-    buffer.div_(world_sz)  # pre-divide: the sum of the shares is the average
+    padded_partition_sz_for_each_tensor = tuple(math.ceil(t.numel() / world_sz) for t in tensors)
 
-    rank_row = buffer[this_rank]
-    _torch_reduce_scatter_fn(buffer.view(-1), rank_row, group=group)
+    if len(tensors) == 1 and tensors[0].numel() % world_sz == 0:
+        # if there's only one tensor being reduced and we don't need to pad
+        # we have an opportunity to avoid a memory allocation
+        tensor_partition_flat_buffer = tensors[0].view(-1)
+    else:
+        # interleave tensor partitions such that the correct reduced partitions of each tensor
+        # end up at each rank
+        tensor_partitions_lst_with_padding = []
+        for rank in range(world_sz):
+            for tensor_idx in range(len(tensors)):
+                # add tensor content
+                tensor_chunk = partition_lst_for_each_tensor[tensor_idx][rank]
+                tensor_partitions_lst_with_padding.append(tensor_chunk)
 
-    return [
-        rank_row.narrow(0, offset, max(0, min(partition,
-                                              tensor.numel() - this_rank * partition)))
-        for tensor, partition, offset in zip(tensors, partitions, offsets)
-    ]
+                # add padding if necessary
+                padding_sz = padded_partition_sz_for_each_tensor[tensor_idx] - tensor_chunk.numel()
+                if padding_sz > 0:
+                    tensor_partitions_lst_with_padding.append(
+                        torch.empty(padding_sz, dtype=tensor_chunk.dtype, device=tensor_chunk.device))
+
+        tensor_partition_flat_buffer = instrument_w_nvtx(torch.cat)(tensor_partitions_lst_with_padding)
+
+    tensor_partition_flat_buffer.div_(world_sz)  # pre-divide
+    tensor_partition_buffer_for_each_rank: List[Tensor] = torch.chunk(tensor_partition_flat_buffer, world_sz)
+
+    # batched reduce-scatter call
+    _torch_reduce_scatter_fn(tensor_partition_flat_buffer,
+                             tensor_partition_buffer_for_each_rank[this_rank],
+                             group=group)
+
+    # reverse procedure of the interleaving done previously, done on the
+    # result of the batched reduce-scatter
+    output_lst: List[Tensor] = [None] * len(tensors)
+    offset = 0
+    for tensor_idx in range(len(tensors)):
+        output_lst[tensor_idx] = tensor_partition_buffer_for_each_rank[this_rank].narrow(
+            0, offset, partition_lst_for_each_tensor[tensor_idx][this_rank].numel())
+
+        offset += padded_partition_sz_for_each_tensor[tensor_idx]
+    return output_lst

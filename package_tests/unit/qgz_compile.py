@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Triton's compiler on the fused qgZ kernels (deepspeed/runtime/comm/quantized_fused.py), without a
+"""Triton's compiler on the fused qgZ kernels (deepspeed_qgz/qgz/quantized_fused.py), without a
 GPU: the launches the launchers make, recorded on meta tensors; each specialized as Triton's runtime
 specializes it and compiled for an NVIDIA target; its PTX, cubin, resource usage and SASS.
 
@@ -71,7 +71,7 @@ def _rebuild_launch(name, grid, args, meta):
 
 
 def fused_module():
-    from deepspeed.runtime.comm import quantized_fused
+    from deepspeed_qgz.qgz import quantized_fused
     if quantized_fused.triton is None:
         raise RuntimeError("Triton is not installed")
     if quantized_fused.fused_unavailable_reason("cpu") is None:
@@ -244,7 +244,7 @@ DEFAULT_BUCKET = 500_000_000  # ZeRO-3's reduce_bucket_size
 
 def largest_single_tensor(num_nodes: int, local_world_size: int, group_size: int, bits: int) -> int:
     """The most elements one tensor may have for the plan at this topology (the kernels' int32 bound)."""
-    from deepspeed.runtime.comm.quantized_pipeline import quantized_reduce_plan
+    from deepspeed_qgz.qgz.quantized_pipeline import quantized_reduce_plan
     low, high = 1, 1 << 40
     while low < high:
         middle = (low + high + 1) // 2
@@ -260,7 +260,7 @@ def ci_launches(quick: bool = False):
     """(what, Launch) for every launch of the matrix CI compiles: each topology, dtype, intra-node
     precision and group size, on a small bucket, DeepSpeed's default bucket size and the largest
     tensor the plan allows."""
-    from deepspeed.runtime.comm.quantized_pipeline import quantized_reduce_plan
+    from deepspeed_qgz.qgz.quantized_pipeline import quantized_reduce_plan
     topologies = TOPOLOGIES[:3] if quick else TOPOLOGIES
     sizes = GROUP_SIZES[:2] if quick else GROUP_SIZES
     for num_nodes, local in topologies:

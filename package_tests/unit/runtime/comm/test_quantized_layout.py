@@ -10,13 +10,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from deepspeed.ops.quantizer import qgz_contract as contract
-from deepspeed.runtime.comm.quantized_layout import (DEFAULT_GROUP_SIZE, INTER_NODE_BITS, MIN_GROUP_SIZE, SCALE_BYTES,
-                                                     quantized_reduce_layout, resolve_group_size,
-                                                     resolve_intra_node_bits)
-from deepspeed.runtime.comm.quantized_pipeline import (CHUNK_BUDGET, CHUNK_VALUES, layout_sum_chunks,
-                                                       planned_kernel_calls, quantized_reduce_plan,
-                                                       sum_chunk_temporaries)
+from deepspeed_qgz.qgz import qgz_contract as contract
+from deepspeed_qgz.qgz.quantized_layout import (DEFAULT_GROUP_SIZE, INTER_NODE_BITS, MIN_GROUP_SIZE, SCALE_BYTES,
+                                                quantized_reduce_layout, resolve_group_size, resolve_intra_node_bits)
+from deepspeed_qgz.qgz.quantized_pipeline import (CHUNK_BUDGET, CHUNK_VALUES, layout_sum_chunks, planned_kernel_calls,
+                                                  quantized_reduce_plan, sum_chunk_temporaries)
 
 numels = st.lists(st.integers(min_value=1, max_value=5_000_000), min_size=1, max_size=6)
 topology = st.tuples(st.integers(min_value=1, max_value=16), st.integers(min_value=1, max_value=16))

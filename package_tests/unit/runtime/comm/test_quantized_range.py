@@ -5,7 +5,7 @@
 """The range contract of the quantized gradient reduce-scatter, for fp16, bf16 and fp32 and both
 intra-node precisions: finite gradients never give NaN, a result is finite wherever the exact
 average is (it saturates at the dtype's largest value), and the error bound holds (hypothesis, over
-each dtype's whole finite range, on simulated clusters; real worlds in test_coalesced_collectives.py).
+each dtype's whole finite range, on simulated clusters).
 
 And the outputs, recorded: every case of `recorded_cases` was run through the simulated cluster
 with the CPU quantizer op before the range contract changed the pipeline, and the SHA-256 of each
@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
+from deepspeed_qgz.qgz.quantized_simulation import simulate_all_to_all_quant_reduce
 
 from unit import qgz_util
 

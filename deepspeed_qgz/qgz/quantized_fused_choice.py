@@ -62,8 +62,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed.runtime.comm.quantized_layout import (QuantizedReduceLayout, SlotFormat, TensorLayout,
-                                                     resolve_group_size, resolve_intra_node_bits)
+from deepspeed_qgz.qgz.quantized_layout import (QuantizedReduceLayout, SlotFormat, TensorLayout, resolve_group_size,
+                                                resolve_intra_node_bits)
 
 AUTO = "auto"
 FUSED_SETTINGS = (False, True, AUTO)
@@ -248,8 +248,8 @@ def self_check(num_nodes: int, local_world_size: int, group_elems: int, intra_no
     on each of node 0's local ranks (check_inputs), stage 1 on what its local rank 0 receives, stage 2
     on that node's sums; on check_layout, groups of exactly `group_elems` values. None if every stage
     agrees; else the first mismatch. An exception of a stage propagates."""
-    from deepspeed.ops.quantizer import qgz_reference
-    from deepspeed.runtime.comm.quantized_pipeline import pipeline_stages
+    from deepspeed_qgz.qgz import qgz_reference
+    from deepspeed_qgz.qgz.quantized_pipeline import pipeline_stages
     inputs = check_inputs(num_nodes, local_world_size, group_elems, dtype, device)
     layout = check_layout(num_nodes, local_world_size, group_elems, intra_node_bits)
     assert tuple(t.numel for t in layout.tensors) == tuple(t.numel() for t in inputs[0])
@@ -279,7 +279,7 @@ def time_paths(tensors, layout: QuantizedReduceLayout, quantizer) -> Tuple[float
     """(seconds of one fused call, of one call on `quantizer`, DeepSpeed's kernels) on the call's own
     `tensors`, the exchanges left out (a rank receives what it sends in shape), after a run each."""
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.comm.quantized_pipeline import pipeline_stages, quantized_reduce_scatter
+    from deepspeed_qgz.qgz.quantized_pipeline import pipeline_stages, quantized_reduce_scatter
     accelerator = get_accelerator()
     seconds = []
     for stages in (pipeline_stages(None, fused=True), pipeline_stages(quantizer)):
@@ -372,7 +372,7 @@ def choose_fused(setting, tensors, layout: QuantizedReduceLayout, quantizer, wor
     setting = resolve_fused(setting)
     if setting is False:
         return False
-    from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason
+    from deepspeed_qgz.qgz.quantized_fused import fused_unavailable_reason
     device, dtype = tensors[0].device, tensors[0].dtype
     key = ChoiceKey(device.type, dtype, layout.intra_node_bits, layout.group_elems, layout.num_nodes,
                     layout.local_world_size, world, setting)

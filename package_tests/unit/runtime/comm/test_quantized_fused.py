@@ -19,17 +19,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from deepspeed.runtime.comm import quantized_pipeline
-from deepspeed.runtime.comm.quantized_fused_choice import exact_layout
-from deepspeed.runtime.comm.quantized_layout import MIN_GROUP_SIZE, quantized_reduce_layout
-from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
+from deepspeed_qgz.qgz import quantized_pipeline
+from deepspeed_qgz.qgz.quantized_fused_choice import exact_layout
+from deepspeed_qgz.qgz.quantized_layout import MIN_GROUP_SIZE, quantized_reduce_layout
+from deepspeed_qgz.qgz.quantized_simulation import simulate_all_to_all_quant_reduce
 
 from unit import qgz_util
 from unit.qgz_util import device, same_values
 
 
 def _unavailable():
-    from deepspeed.runtime.comm.quantized_fused import fused_unavailable_reason
+    from deepspeed_qgz.qgz.quantized_fused import fused_unavailable_reason
     return fused_unavailable_reason(torch.device(device()).type)
 
 
@@ -162,7 +162,7 @@ def poisoned_outputs(pattern):
     """Inside: every buffer the fused launchers allocate (torch.empty in quantized_fused) is filled
     with the byte `pattern` before their launch, so a byte no program writes keeps it. Yields the
     list of the buffers allocated."""
-    from deepspeed.runtime.comm import quantized_fused
+    from deepspeed_qgz.qgz import quantized_fused
     allocated = []
 
     class PoisonedTorch:
@@ -269,7 +269,7 @@ def test_stage_2_sums_cannot_wrap_for_any_finite_scales(stages, dtype):
     """Stage 2 on inter slots whose every code is -8 or 7 beside scales of +-fp32's largest value
     (table entries of 32 and 28 units of 2**24 per node, beyond what stage 1 writes): the default's
     bits at NARROW_SUM_NODES nodes, the most that sum in int32, and one node more."""
-    from deepspeed.runtime.comm.quantized_fused import NARROW_SUM_NODES
+    from deepspeed_qgz.qgz.quantized_fused import NARROW_SUM_NODES
     default, fused = stages
     largest = torch.finfo(torch.float32).max
     for num_nodes in (NARROW_SUM_NODES, NARROW_SUM_NODES + 1):
@@ -292,7 +292,7 @@ def test_stage_2_sums_cannot_wrap_for_any_finite_scales(stages, dtype):
 def test_stages_refuse_received_slots_they_cannot_read():
     """A received buffer of another size, dtype or layout in memory, or a view that does not start on
     a 16-byte boundary: a ValueError naming it, before any launch."""
-    from deepspeed.runtime.comm import quantized_fused
+    from deepspeed_qgz.qgz import quantized_fused
     layout = quantized_reduce_layout((6 * 40, ), 3, 2, MIN_GROUP_SIZE, 8)
     intra, inter = layout.intra.slot_bytes, layout.inter.slot_bytes
     buffer = torch.zeros(6 * intra + 16, dtype=torch.int8, device=device())
@@ -342,7 +342,7 @@ def test_range_contract(topology, shapes, dtype, bits, pattern, seed):
 
 
 def test_refusals_name_the_reason(monkeypatch):
-    from deepspeed.runtime.comm import quantized_fused
+    from deepspeed_qgz.qgz import quantized_fused
     assert "not on xpu" in quantized_fused.fused_unavailable_reason("xpu")
     monkeypatch.setattr(quantized_fused, "triton", None)
     inputs = special_inputs([(6, 8)], 2, torch.float32, 0, qgz_util.RANGE_PATTERNS[0])

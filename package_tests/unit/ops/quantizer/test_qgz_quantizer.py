@@ -3,7 +3,7 @@
 
 # DeepSpeed Team
 """The CPU accelerator's quantizer op (swizzle_quant, quantized_reduction, dequantize) against the
-PyTorch statement of the CUDA kernels (deepspeed/ops/quantizer/qgz_reference.py), bit for bit, and
+PyTorch statement of the CUDA kernels (deepspeed_qgz/qgz/qgz_reference.py), bit for bit, and
 the kernel contract both enforce."""
 
 import math
@@ -14,8 +14,8 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.ops.quantizer import qgz_contract as contract
-from deepspeed.ops.quantizer import qgz_reference as ref
+from deepspeed_qgz.qgz import qgz_contract as contract
+from deepspeed_qgz.qgz import qgz_reference as ref
 
 from unit.qgz_util import quantizer, same_bits
 
@@ -196,7 +196,7 @@ def test_launch_geometry_matches_the_contract(cpu_quantizer):
 def test_portable_path_matches_reference():
     """The scalar path (non-x86 machines) built here with QGZ_SCALAR, against the reference."""
     from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder
-    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+    from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
 
     class ScalarQuantizerBuilder(QuantizerBuilder):
         NAME = "quantizer_cpu_scalar"

@@ -19,7 +19,7 @@ order are written down. ``ContractCheckedQuantizer``, through which qgZ calls th
 call that breaks them before the op runs, and so does the pure-PyTorch reference. The CPU op
 checks only what keeps its own memory accesses in bounds, and the warp rule (its copy of the
 launch geometry is tested against this module for every group size the contract allows). The qgZ
-layout (deepspeed/runtime/comm/quantized_layout.py) satisfies the contract by construction, which
+layout (deepspeed_qgz/qgz/quantized_layout.py) satisfies the contract by construction, which
 its property test checks against the functions below.
 
 The CUDA binding names the topology arguments ``nodes`` and ``devices_per_node``; here, as in the

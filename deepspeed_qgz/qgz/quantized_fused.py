@@ -75,9 +75,9 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from deepspeed.ops.quantizer.qgz_contract import VECTOR_ELEMS, next_pow2, swizzle_slot
-from deepspeed.runtime.comm.quantized_layout import QuantizedReduceLayout
-from deepspeed.runtime.comm.quantized_pipeline import summing_bits
+from deepspeed_qgz.qgz.qgz_contract import VECTOR_ELEMS, next_pow2, swizzle_slot
+from deepspeed_qgz.qgz.quantized_layout import QuantizedReduceLayout
+from deepspeed_qgz.qgz.quantized_pipeline import summing_bits
 
 try:
     import triton
@@ -130,7 +130,7 @@ def fused_unavailable_reason(device_type: str) -> Optional[str]:
     if device_type == "cpu":
         if not interpreted:
             return ("on CPU tensors the fused kernels run only in Triton's interpreter, for tests: TRITON_INTERPRET=1 "
-                    "must be set before deepspeed.runtime.comm.quantized_fused is first imported")
+                    "must be set before deepspeed_qgz.qgz.quantized_fused is first imported")
         return None
     if device_type != "cuda":
         return f"the fused kernels run on CUDA devices (and on CPU under TRITON_INTERPRET=1), not on {device_type}"

@@ -39,7 +39,7 @@ def test_every_variant_compiles_for_every_target(tmp_path):
     compiled = {(entry["variant"].split()[0], entry["variant"].split()[1]) for entry in report["compiled"]}
     kernels = {"_quantize_partitions_kernel", "_reduce_within_node_kernel", "_average_across_nodes_kernel"}
     assert compiled == {(kernel, f"sm_{arch}") for kernel in kernels for arch in qgz_compile.ARCHES}
-    from deepspeed.runtime.comm.quantized_fused import GRID_LIMITS
+    from deepspeed_qgz.qgz.quantized_fused import GRID_LIMITS
     assert 0 < report["largest_grid"] <= GRID_LIMITS[0]
 
 
@@ -55,7 +55,7 @@ def test_the_ptx_check_names_each_problem(ptx, problem):
 
 
 def test_a_grid_beyond_cudas_limits_is_refused():
-    from deepspeed.runtime.comm import quantized_fused
+    from deepspeed_qgz.qgz import quantized_fused
     if quantized_fused.triton is None:
         pytest.skip("Triton is not installed")
     with pytest.raises(ValueError, match=r"grid \(2147483648,\) is beyond CUDA's limits"):

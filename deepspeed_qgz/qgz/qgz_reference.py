@@ -37,7 +37,7 @@ code whose value sits on a rounding tie.
 
 import torch
 
-from deepspeed.ops.quantizer import qgz_contract as contract
+from deepspeed_qgz.qgz import qgz_contract as contract
 
 Symmetric = contract.SYMMETRIC
 Asymmetric = contract.ASYMMETRIC

@@ -3,10 +3,10 @@
 
 # DeepSpeed Team
 """
-The stages of the quantized gradient reduce-scatter (ZeRO++ qgZ) for one rank.
-
-``all_to_all_quant_reduce`` (coalesced_collectives.py) runs them around its two all-to-alls; a
-simulated cluster (quantized_simulation.py) runs them for every rank in one process. Each stage
+The stages of this package's quantized gradient reduce-scatter (ZeRO++ qgZ) for one rank: the
+specification of the fused kernels (quantized_fused.py). A simulated cluster
+(quantized_simulation.py) runs them for every rank in one process; training does not (it runs the
+pull-request series' ``all_to_all_quant_reduce`` on DeepSpeed's kernels). Each stage
 takes the call's layout (quantized_layout.py) and the quantizer op and runs one kernel per step for
 all tensors of the call (a dequantize per chunk where a large call is summed in chunks); each has a
 fused twin (quantized_fused.py, ``fused=True``): one Triton launch doing the stage's kernels and
@@ -61,9 +61,9 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from deepspeed.ops.quantizer import qgz_contract as contract
-from deepspeed.ops.quantizer.qgz_contract import to_slot_order
-from deepspeed.runtime.comm.quantized_layout import (QuantizedReduceLayout, SlotFormat, quantized_reduce_layout)
+from deepspeed_qgz.qgz import qgz_contract as contract
+from deepspeed_qgz.qgz.qgz_contract import to_slot_order
+from deepspeed_qgz.qgz.quantized_layout import (QuantizedReduceLayout, SlotFormat, quantized_reduce_layout)
 
 # Powers of two are applied as fp32 factors, which must stay normal numbers.
 _MAX_EXPONENT = 126
@@ -408,7 +408,7 @@ def pipeline_stages(quantizer, fused: bool = False) -> QuantizedStages:
     """The stages on `quantizer` (the quantizer op module) with the glue of this module, or with
     `fused` True the fused Triton kernels of quantized_fused.py (same bits; `quantizer` is not used)."""
     if fused is True:
-        from deepspeed.runtime.comm import quantized_fused
+        from deepspeed_qgz.qgz import quantized_fused
         return QuantizedStages(quantized_fused.quantize_partitions, quantized_fused.reduce_within_node,
                                quantized_fused.average_across_nodes)
     return QuantizedStages(partial(quantize_partitions, quantizer=quantizer),

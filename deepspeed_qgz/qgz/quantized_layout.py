@@ -8,7 +8,7 @@ Padding and grouping for the quantized gradient reduce-scatter (ZeRO++ qgZ).
 ``all_to_all_quant_reduce`` must return what ``reduce_scatter_coalesced`` returns: rank r gets the
 elements ``[r * C, min((r + 1) * C, numel))`` of each averaged gradient, ``C = ceil(numel / world)``.
 The quantizer kernels instead want every rank's share cut into equal groups whose size suits their
-launch geometry (deepspeed/ops/quantizer/qgz_contract.py). Padding reconciles the two, and every
+launch geometry (deepspeed_qgz/qgz/qgz_contract.py). Padding reconciles the two, and every
 padding rule lives here, in one pure cached function, ``quantized_reduce_layout``:
 
 * Partition first. Each tensor's rank-r partition keeps the reduce-scatter boundaries and is padded
@@ -65,7 +65,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from deepspeed.ops.quantizer.qgz_contract import SWIZZLE_MAX_GROUP_ELEMS, VECTOR_ELEMS, reduce_min_out_group_elems
+from deepspeed_qgz.qgz.qgz_contract import SWIZZLE_MAX_GROUP_ELEMS, VECTOR_ELEMS, reduce_min_out_group_elems
 
 # The inter-node exchange always carries int4 codes; the intra-node exchange int4 or int8.
 INTER_NODE_BITS = 4

@@ -21,9 +21,6 @@ INTRA_NODE_BITS = (4, 8)
 # of the rank's absmax over the partition: an int4 stage errs by at most absmax / 8 per value (the
 # absmax itself clamped from code 8 to 7), and there are two (the second on node sums).
 ERROR_BOUND = 0.3
-# Root-mean-square error relative to the exact average's, for inputs whose ranks share a signal;
-# a partition delivered to the wrong rank or a wrong divisor gives about 1 or more.
-RMS_BOUND = 0.2
 
 
 def device():
@@ -34,7 +31,7 @@ def device():
 def quantizer():
     """The accelerator's QuantizerBuilder op (the CPU op on the CPU accelerator) behind the
     kernel-contract checks, as all_to_all_quant_reduce uses it."""
-    from deepspeed.ops.quantizer.qgz_contract import ContractCheckedQuantizer
+    from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
     return ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load())
 
 

@@ -4,9 +4,8 @@
 # DeepSpeed Team
 """zero_quantized_gradients_fused "auto" and true (quantized_fused_choice.py): the self-check of the
 fused kernels' bits against the reference quantizer, on the compiled variants the call launches, the
-decision it takes with the two paths' times, one decision per run of a call's plan, the same decision
-on every rank, an exception in the check reported as one, and the INFO line that says why. The times
-are injected (no test here depends on how fast anything runs); a stage made to differ in one value
+decision it takes with the two paths' times, one decision per run of a call's plan, an exception in
+the check reported as one, and the INFO line that says why. The times are injected (no test here depends on how fast anything runs); a stage made to differ in one value
 stands for a kernel a GPU compiles differently. The fused kernels run in Triton's interpreter on the
 CPU accelerator (TRITON_INTERPRET=1 in the environment)."""
 
@@ -19,17 +18,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import deepspeed.comm as dist
-from deepspeed.ops.quantizer import qgz_reference
-from deepspeed.runtime.comm import coalesced_collectives, quantized_fused, quantized_fused_choice, quantized_simulation
-from deepspeed.runtime.comm.coalesced_collectives import all_to_all_quant_reduce
-from deepspeed.runtime.comm.quantized_layout import MIN_GROUP_SIZE, quantized_reduce_layout
-from deepspeed.runtime.comm.quantized_pipeline import pipeline_stages
-from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
+from deepspeed_qgz.qgz import qgz_reference
+from deepspeed_qgz.qgz import quantized_fused, quantized_fused_choice, quantized_simulation
+from deepspeed_qgz.qgz.quantized_layout import MIN_GROUP_SIZE, quantized_reduce_layout
+from deepspeed_qgz.qgz.quantized_pipeline import pipeline_stages
+from deepspeed_qgz.qgz.quantized_simulation import simulate_all_to_all_quant_reduce
 from deepspeed.utils import logger
 
-from unit.common import DistributedTest
-from unit.qgz_util import DTYPES, INTRA_NODE_BITS, cluster_inputs, device, same_values, simulated_nodes
+from unit.qgz_util import DTYPES, INTRA_NODE_BITS, cluster_inputs, device, same_values
 
 
 def _unavailable():
@@ -411,106 +407,3 @@ def test_true_where_the_check_raises_raises_that_exception():
 def test_a_bad_setting_names_the_value_and_what_is_allowed(value):
     with pytest.raises(ValueError, match=re.escape(f"fused {value!r} must be one of true, false or \"auto\"")):
         simulated(value)
-
-
-class TestFusedChoiceIsTheWorlds(DistributedTest):
-    """At 3 nodes x 2 ranks in a real world: every rank takes the same decision, even where one
-    rank's check or time differs from the others', and with true every rank raises."""
-    world_size = 6
-    reuse_dist_env = True
-
-    def call(self, fused, times, differ_on=None, stage="reduce_within_node"):
-        """This rank's outputs and choice of one all_to_all_quant_reduce call under `fused`, with the
-        injected `times` (per rank: a function of the rank) and `stage` differing on rank `differ_on`."""
-        rank = dist.get_rank()
-        with simulated_nodes(2) as groups, decision(times(rank), stage if rank == differ_on else None) as (lines, _):
-            inputs = cluster_inputs(SHAPES, 6, torch.bfloat16, 3)
-            outputs = all_to_all_quant_reduce([t.to(device()) for t in inputs[rank]], groups, fused=fused)
-            choices = list(quantized_fused_choice.choices().values())
-        assert len(choices) == 1
-        return outputs, choices[0], lines
-
-    def default(self):
-        with simulated_nodes(2) as groups:
-            inputs = cluster_inputs(SHAPES, 6, torch.bfloat16, 3)
-            return all_to_all_quant_reduce([t.to(device()) for t in inputs[dist.get_rank()]], groups, fused=False)
-
-    def test_every_rank_faster_takes_the_fused_kernels(self):
-        outputs, choice, lines = self.call("auto", lambda rank: (0.001, 0.002))
-        assert choice.fused
-        assert all(same_values(a, b).all() for a, b in zip(outputs, self.default()))
-        assert len(lines) == (1 if dist.get_rank() == 0 else 0)
-
-    def test_one_ranks_mismatch_keeps_every_rank_on_deepspeeds_kernels(self):
-        outputs, choice, lines = self.call("auto", lambda rank: (0.001, 0.002), differ_on=3)
-        assert not choice.fused
-        assert all(same_values(a, b).all() for a, b in zip(outputs, self.default()))
-        assert "every rank takes DeepSpeed's kernels: a mismatch on 1 of 6 ranks (3)" in choice.reason
-        if dist.get_rank() == 0:
-            assert len(lines) == 1 and lines[0] == choice.reason
-
-    def test_one_ranks_time_keeps_every_rank_on_deepspeeds_kernels(self):
-        outputs, choice, _ = self.call("auto", lambda rank: (0.002, 0.001) if rank == 4 else (0.001, 0.002))
-        assert not choice.fused
-        assert "every rank takes DeepSpeed's kernels: the fused kernels slower on 1 of 6 ranks (4)" in choice.reason
-
-    def test_true_with_one_ranks_mismatch_raises_on_every_rank(self):
-        with pytest.raises(ValueError) as raised:
-            self.call(True, lambda rank: None, differ_on=5, stage="average_across_nodes")
-        assert "the fused kernels were asked for" in str(raised.value)
-        assert "a mismatch on 1 of 6 ranks (5)" in str(raised.value)
-
-    def test_each_run_is_the_worlds_decision_and_an_exception_is_named(self):
-        """A call split into runs with groups of 136 and of 264: one decision of the world per run,
-        before any launch, the same on every rank; rank 4 slower on the first run's bucket keeps the
-        world off the fused kernels there, rank 3's check raising on the second's (a compile error)
-        is named as an exception, not a mismatch, and keeps the world off them there too."""
-        rank = dist.get_rank()
-        real_check = quantized_fused_choice.self_check
-
-        def check(num_nodes, local_size, group_elems, *args):
-            if rank == 3 and group_elems == 264:
-                raise RuntimeError("PTXASError: ptxas fatal")
-            return real_check(num_nodes, local_size, group_elems, *args)
-
-        def times(tensors, layout, quantizer):
-            return (0.002, 0.001) if rank == 4 and layout.group_elems == 136 else (0.001, 0.002)
-
-        with mock.patch.object(coalesced_collectives, "quantized_reduce_plan", split_plan((136, 264))):
-            expected = self.default()
-            with simulated_nodes(2) as groups, decision() as (lines, _), warnings_logged() as warned, \
-                    mock.patch.object(quantized_fused_choice, "self_check", check), \
-                    mock.patch.object(quantized_fused_choice, "time_paths", times):
-                inputs = cluster_inputs(SHAPES, 6, torch.bfloat16, 3)
-                outputs = all_to_all_quant_reduce([t.to(device()) for t in inputs[rank]], groups, fused="auto")
-                decided = {key.group_elems: choice for key, choice in quantized_fused_choice.choices().items()}
-        assert all(same_values(a, b).all() for a, b in zip(outputs, expected))
-        assert sorted(decided) == [136, 264] and not any(choice.fused for choice in decided.values())
-        assert "every rank takes DeepSpeed's kernels: the fused kernels slower on 1 of 6 ranks (4)" in decided[
-            136].reason
-        assert "every rank takes DeepSpeed's kernels: an exception on 1 of 6 ranks (3)" in decided[264].reason
-        assert "mismatch" not in decided[264].reason
-        if rank == 3:
-            assert "the self-check raised RuntimeError: PTXASError: ptxas fatal" in decided[264].reason
-            assert len(warned) == 1 and "rank 3: " in warned[0][0] and "RuntimeError: PTXASError" in warned[0][0]
-        else:
-            assert not warned
-        assert len(lines) == (2 if rank == 0 else 0)
-
-    def test_true_with_one_ranks_exception_raises_it_there_and_names_it_elsewhere(self):
-        rank = dist.get_rank()
-        exc = RuntimeError("PTXASError: ptxas fatal")
-
-        def check(*args):
-            raise exc
-
-        if rank == 5:
-            with pytest.raises(RuntimeError) as raised, warnings_logged(), \
-                    mock.patch.object(quantized_fused_choice, "self_check", check):
-                self.call(True, lambda rank: None)
-            assert raised.value is exc
-        else:
-            with pytest.raises(ValueError) as raised:
-                self.call(True, lambda rank: None)
-            assert "the fused kernels were asked for" in str(raised.value)
-            assert "every rank takes DeepSpeed's kernels: an exception on 1 of 6 ranks (5)" in str(raised.value)

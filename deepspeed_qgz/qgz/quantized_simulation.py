@@ -3,24 +3,21 @@
 
 # DeepSpeed Team
 """
-all_to_all_quant_reduce for a whole simulated cluster in one process.
-
-Every rank's stages (quantized_pipeline.py) run here, with the kernels all_to_all_quant_reduce
-uses, and the two all-to-alls become the permutations they perform, so rank results are
-bit-identical to a real run's. For testing layouts and topologies without processes, for checking
-one quantizer build against another, and for measuring qgZ's error on real gradients at cluster
-shapes a test machine cannot run.
+This package's quantized reduce-scatter (quantized_pipeline.py) for a whole simulated cluster in
+one process: every rank's stages run here, and the two all-to-alls become the permutations they
+perform. For testing layouts, topologies and the fused kernels against their specification
+without processes, and for checking one quantizer build against another.
 """
 
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed.ops.quantizer.qgz_contract import checked
-from deepspeed.runtime.comm import coalesced_collectives as cc
-from deepspeed.runtime.comm.quantized_fused_choice import choose_fused, resolve_fused
-from deepspeed.runtime.comm.quantized_layout import QuantizedReduceLayout, resolve_group_size, resolve_intra_node_bits
-from deepspeed.runtime.comm.quantized_pipeline import QuantizedStages, pipeline_stages, quantized_reduce_plan
+from deepspeed.accelerator import get_accelerator
+from deepspeed_qgz.qgz.qgz_contract import checked
+from deepspeed_qgz.qgz.quantized_fused_choice import choose_fused, resolve_fused
+from deepspeed_qgz.qgz.quantized_layout import QuantizedReduceLayout, resolve_group_size, resolve_intra_node_bits
+from deepspeed_qgz.qgz.quantized_pipeline import QuantizedStages, pipeline_stages, quantized_reduce_plan
 
 
 def simulate_all_to_all_quant_reduce(inputs: Sequence[Sequence[torch.Tensor]],
@@ -33,13 +30,16 @@ def simulate_all_to_all_quant_reduce(inputs: Sequence[Sequence[torch.Tensor]],
     """Args:
         inputs: inputs[r] is rank r's list of tensors (two or more dimensions, the same shapes on
             every rank), for the num_nodes x local_world_size ranks in rank order.
-        quantizer: the quantizer op module (default: the one all_to_all_quant_reduce uses; not
-            used where the fused kernels run), behind the contract checks.
-        group_size, intra_node_bits, fused: as all_to_all_quant_reduce's.
+        quantizer: the quantizer op module (default: the QuantizerBuilder op of this accelerator;
+            not used where the fused kernels run), behind the contract checks.
+        group_size: the largest quantization group (quantized_layout.resolve_group_size).
+        intra_node_bits: 4 or 8 (quantized_layout.resolve_intra_node_bits).
+        fused: False, True or "auto" (quantized_fused_choice.resolve_fused).
 
     Returns:
-        (outputs, layouts): outputs[r] is rank r's list of results, as all_to_all_quant_reduce's;
-        layouts, the layout of each run of the call (one unless the call is split).
+        (outputs, layouts): outputs[r] is rank r's list of results, reduce_scatter_coalesced's
+        partitions of the average; layouts, the layout of each run of the call (one unless the call
+        is split).
     """
     world = num_nodes * local_world_size
     if len(inputs) != world:
@@ -47,7 +47,9 @@ def simulate_all_to_all_quant_reduce(inputs: Sequence[Sequence[torch.Tensor]],
     plan = quantized_reduce_plan(tuple(t.numel() for t in inputs[0]), num_nodes, local_world_size,
                                  resolve_group_size(group_size), resolve_intra_node_bits(intra_node_bits))
     fused = resolve_fused(fused)
-    quantizer = cc._get_quantizer_module() if quantizer is None else checked(quantizer)
+    if quantizer is None:
+        quantizer = get_accelerator().create_op_builder("QuantizerBuilder").load()
+    quantizer = checked(quantizer)
     run_stages = []  # every run's kernels decided before any launch
     for start, layout in plan:
         run_tensors = list(inputs[0][start:start + len(layout.tensors)])

@@ -13,10 +13,10 @@ from hypothesis import given, settings, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.ops.quantizer import qgz_reference
-from deepspeed.runtime.comm import quantized_pipeline
-from deepspeed.runtime.comm.quantized_layout import MIN_GROUP_SIZE, quantized_reduce_layout
-from deepspeed.runtime.comm.quantized_simulation import simulate_all_to_all_quant_reduce
+from deepspeed_qgz.qgz import qgz_reference
+from deepspeed_qgz.qgz import quantized_pipeline
+from deepspeed_qgz.qgz.quantized_layout import MIN_GROUP_SIZE, quantized_reduce_layout
+from deepspeed_qgz.qgz.quantized_simulation import simulate_all_to_all_quant_reduce
 
 from unit import qgz_util
 from unit.qgz_util import device, quantizer, same_bits
