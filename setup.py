@@ -5,9 +5,10 @@
 """
 deepspeed-qgz: the qgZ fix as an overlay on an installed DeepSpeed release.
 
-The patch's files live at DeepSpeed's own source paths (deepspeed/, op_builder/, csrc/). Building
-copies them under deepspeed_qgz/tree/ at the paths an installed DeepSpeed uses (op_builder/ and
-csrc/ live in deepspeed/ops/ there) and adds deepspeed_qgz.pth, which starts the import hook.
+The series' results this repository holds live at DeepSpeed's own source paths (deepspeed/,
+tests/). Building copies the module under deepspeed_qgz/tree/ at the path an installed DeepSpeed uses,
+copies the series (upstream/) under deepspeed_qgz/series/, ships the CPU quantizer op's source
+(deepspeed_qgz/csrc/) and adds deepspeed_qgz.pth, which starts the import hook.
 """
 
 import importlib.util
@@ -30,10 +31,10 @@ def _this_package():
 
 PACKAGE = _this_package()
 
-# The patch's own files, at DeepSpeed's source-tree paths: the code, and DeepSpeed's tests of it
-# (which `python -m deepspeed_qgz diff --deepspeed-tree` emits; the overlay never imports them).
-PATCH_DIRS = ("deepspeed", ) + tuple(source.rstrip("/") for source, _ in PACKAGE.LINKED_DIRS) + ("tests", )
-OVERLAY_SUFFIXES = {".py", ".cpp", ".h", ".json"}  # .json: a test's recorded outputs
+# The series' result this repository holds that the overlay imports, at DeepSpeed's source-tree path
+# (its test module under tests/ is DeepSpeed's: `diff --deepspeed-tree` makes it from the series' hunks).
+PATCH_DIRS = ("deepspeed", )
+OVERLAY_SUFFIXES = {".py"}
 
 
 def overlay_files():
@@ -73,6 +74,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",  # torch >= 2.0 and deepspeed 0.19.8: requirements/requirements.txt
     packages=["deepspeed_qgz", "deepspeed_qgz.qgz"],
+    package_data={"deepspeed_qgz": ["csrc/*.cpp"]},
     install_requires=(ROOT / "requirements" / "requirements.txt").read_text().split(),
     cmdclass={"build_py": BuildWithOverlay},
     zip_safe=False,

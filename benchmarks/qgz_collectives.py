@@ -79,7 +79,7 @@ def buckets():
 def setup_rank():
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed_qgz import cpu_quantizer
     from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm import coalesced_collectives as ours
     from deepspeed.utils import groups as ds_groups
@@ -88,7 +88,7 @@ def setup_rank():
     deepspeed.init_distributed(dist_backend="gloo")
     release_deepspeed_shm()
     groups = ds_groups._get_local_all_to_all_group()
-    ops = get_accelerator().create_op_builder("QuantizerBuilder").load()
+    ops = cpu_quantizer.load()
     upstream = load_upstream_module("runtime/comm/coalesced_collectives.py", "upstream_coalesced_collectives")
     upstream.logger.setLevel("ERROR")  # one fallback warning per tensor per call otherwise
     # 0.19.8's code runs whatever layout it computes, as the unchecked CUDA kernels would.

@@ -69,7 +69,7 @@ def count_work(method, num_nodes, local_world_size):
     buckets)."""
     from unittest import mock
     import torch
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed_qgz import cpu_quantizer
     from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
     from deepspeed.runtime.comm import coalesced_collectives
     from deepspeed_qgz.qgz.quantized_layout import DEFAULT_GROUP_SIZE
@@ -88,7 +88,7 @@ def count_work(method, num_nodes, local_world_size):
             coalesced_collectives.reduce_scatter_coalesced(tensors)
     else:
         quantizer = work.counting_quantizer(
-            ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load()))
+            ContractCheckedQuantizer(cpu_quantizer.load()))
         plan = quantized_reduce_plan(tuple(t.numel() for t in tensors), num_nodes, local_world_size,
                                      DEFAULT_GROUP_SIZE, INTRA_NODE_BITS[method])
 

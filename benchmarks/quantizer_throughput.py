@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from deepspeed.accelerator import get_accelerator
+from deepspeed_qgz import cpu_quantizer
 from deepspeed_qgz.qgz import qgz_reference as ref
 from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
 from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout, resolve_group_size
@@ -46,7 +46,7 @@ def main():
     args = parser.parse_args()
 
     start = time.perf_counter()
-    op = ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load())
+    op = ContractCheckedQuantizer(cpu_quantizer.load())
     load_s = time.perf_counter() - start
 
     nodes, devices = args.nodes, args.devices

@@ -3,13 +3,16 @@
 
 # DeepSpeed Team
 """
-qgZ for any cluster shape, installed on top of a DeepSpeed release.
+ZeRO++ for any cluster shape: the pull-request series (upstream/) installed on a DeepSpeed release.
 
-This package carries the patch's files at DeepSpeed's own paths (under ``tree/``), its edits to
-files DeepSpeed already has (``upstream_edits``), and a meta-path finder, started from a ``.pth``
-file in every Python process of the environment, that imports the patch's modules in place of (or
-beside) the installed DeepSpeed's and applies the edits as it imports the edited modules. Nothing
-of DeepSpeed's own installation is modified; ``pip uninstall deepspeed-qgz`` restores it completely.
+This package carries the series' results it holds at DeepSpeed's own paths (under ``tree/``), the
+series' patches, whose hunks it applies to the DeepSpeed files they change (``series``,
+``upstream_edits``), and a meta-path finder, started from a ``.pth`` file in every Python process of
+the environment, that imports the carried modules in place of the installed DeepSpeed's and applies
+the hunks as it imports the edited modules. On DeepSpeed's CPU accelerator it plugs its own quantizer
+op into DeepSpeed's code (``cpu_quantizer``). Its own qgZ pipeline and fused kernels (``qgz``) are
+not run by training. Nothing of DeepSpeed's own installation is modified; ``pip uninstall
+deepspeed-qgz`` restores it completely.
 
 ``DS_QGZ_OVERLAY=0`` switches the overlay off for a process (and the processes it starts).
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import DISABLE_ENV, LINKED_DIRS, __version__, installed_path, source_path
 from ._finder import TREE, overlay_state
-from .replaced_modules import KNOWN, ReplacementError, replace_module
+from .replaced_modules import replace_module
 from .upstream_edits import EditError, apply_edits, edited_paths
 
 
@@ -22,26 +22,10 @@ def _upstream_root():
     return Path(list(spec.submodule_search_locations)[0]).parent if spec else None
 
 
-# The patch's DeepSpeed tests, carried under tree/ at DeepSpeed's source-tree paths. They ship with
-# neither DeepSpeed's wheel nor its source distribution, so `diff` emits them only against a
-# DeepSpeed git tree (--deepspeed-tree).
-TESTS = "tests/"
-
-
 def _overlay_files():
-    """(installed path relative to site-packages, overlay file) for every file of the patch that
-    an installed deepspeed package has a place for."""
+    """(installed path relative to site-packages, overlay file) for every module the patch carries."""
     for path in sorted(p for p in TREE.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-        relative = path.relative_to(TREE).as_posix()
-        if not relative.startswith(TESTS):
-            yield relative, path
-
-
-def _test_files():
-    """(DeepSpeed source-tree path, file) for every test file of the patch (and test data)."""
-    for path in sorted((TREE / TESTS).rglob("*")):
-        if path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
-            yield path.relative_to(TREE).as_posix(), path
+        yield path.relative_to(TREE).as_posix(), path
 
 
 def status(_args):
@@ -66,7 +50,8 @@ def status(_args):
         print("stage3.all_to_all_quant_reduce: NOT the module's function (!)")
     print("cpu quantizer op: ", end="", flush=True)
     from deepspeed.accelerator import get_accelerator
-    builder = get_accelerator().create_op_builder("QuantizerBuilder")
+    from .cpu_quantizer import builder as quantizer_builder
+    builder = quantizer_builder()
     if get_accelerator().device_name() != "cpu" or not patched:
         print(f"not used here ({get_accelerator().device_name()} accelerator, {builder.__class__.__name__})")
         return 0
@@ -82,9 +67,9 @@ def status(_args):
 
 def _patch(root, deepspeed_tree=None):
     """(DeepSpeed source-tree path, upstream text or None, patched text) for every file the patch
-    adds, replaces or edits: against the installed DeepSpeed or, with `deepspeed_tree` (a DeepSpeed
-    git checkout), against that tree's files, and then also its documentation and tests, which only
-    its tree has. A replaced module keeps the tree's definitions the patch does not replace
+    replaces or edits: against the installed DeepSpeed or, with `deepspeed_tree` (a DeepSpeed git
+    checkout), against that tree's files, and then also its documentation and test module, which
+    only its tree has. A replaced module keeps the tree's definitions the patch does not replace
     (replaced_modules.py).
 
     Raises:
@@ -100,25 +85,14 @@ def _patch(root, deepspeed_tree=None):
     for installed, overlay in _overlay_files():
         path, ours = source_path(installed), overlay.read_text()
         text = upstream(path)
-        if text is not None and path not in KNOWN:
-            raise ReplacementError(f"deepspeed-qgz: {path}, which the patch adds, is already in "
-                                   f"{deepspeed_tree or root}: the patch has no record of what to keep of it")
         yield path, text, ours if text is None else replace_module(path, text, ours)
     for path in edited_paths():
         text = upstream(path, edited=True)
         yield path, text, apply_edits(path, text)
-    if deepspeed_tree is None:
-        return
-    edited = edited_paths(in_package=False)
-    for path in edited:  # DeepSpeed's docs and test modules, with the series' hunks
-        text = upstream(path, edited=True)
-        yield path, text, apply_edits(path, text)
-    for path, ours in _test_files():
-        if path in edited:  # the series' result of DeepSpeed's module, which the overlay's suite runs
-            continue
-        if upstream(path) is not None:
-            raise ReplacementError(f"deepspeed-qgz: {path}, which the patch adds, is already in {deepspeed_tree}")
-        yield path, None, ours.read_text()
+    if deepspeed_tree is not None:  # DeepSpeed's docs and test modules, which only its tree has
+        for path in edited_paths(in_package=False):
+            text = upstream(path, edited=True)
+            yield path, text, apply_edits(path, text)
 
 
 def diff(args):

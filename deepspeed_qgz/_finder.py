@@ -8,13 +8,12 @@ the DeepSpeed version is read from package metadata the first time a deepspeed m
 For a ``deepspeed.*`` module the hook supplies, in this order:
 * the patch's own file, for a module the patch carries (``tree/``), announcing itself on its first
   reduce-scatter call for coalesced_collectives;
-* upstream's file with the patch's edits applied (``upstream_edits``), for a module it edits;
-* upstream's file followed by an overlay step, for the one module that scans upstream's
-  directories for op builders (``all_ops``), which would otherwise miss the patch's builders.
-Every other module is left to the normal import system."""
+* upstream's file with the patch's edits applied (``upstream_edits``), for a module it edits.
+After qgZ's collectives and qwZ's partitioning are imported, on DeepSpeed's CPU accelerator, their
+quantizer op is this package's (``AFTER_IMPORT``, cpu_quantizer.py). Every other module is left to
+the normal import system."""
 
 import functools
-import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -86,6 +85,8 @@ class _AnnouncingLoader(importlib.machinery.SourceFileLoader):
         if module.__name__ == name:
             for function in functions:
                 setattr(module, function, _announce_first_call(getattr(module, function), module.__file__))
+        if module.__name__ in AFTER_IMPORT:
+            AFTER_IMPORT[module.__name__](module)
 
 
 def _announce_first_call(fn, origin):
@@ -114,32 +115,23 @@ class _EditedLoader(importlib.machinery.SourceFileLoader):
         text = apply_edits(self.source_tree_path, Path(self.path).read_text())
         return compile(text, self.path, "exec", dont_inherit=True)
 
-
-def register_overlay_builders(all_ops):
-    """deepspeed.ops.op_builder.all_ops lists the op builders it finds in the accelerator's op
-    builder directory; the patch's builders live in the overlay's tree instead. Add them."""
-    prefix = all_ops.op_builder_dir + "."
-    from deepspeed.accelerator import get_accelerator
-    for name in overlay_modules():
-        if not name.startswith(prefix):
-            continue
-        module = importlib.import_module(name)
-        for member in dir(module):
-            if member.endswith("Builder") and member not in ("OpBuilder", "CPUOpBuilder"):
-                builder = get_accelerator().create_op_builder(member)
-                if builder is not None and builder.name not in all_ops.ALL_OPS:
-                    all_ops.__op_builders__.append(builder)
-                    all_ops.ALL_OPS[builder.name] = builder
-
-
-AFTER_IMPORT = {"deepspeed.ops.op_builder.all_ops": register_overlay_builders}
-
-
-class _AfterImportLoader(importlib.machinery.SourceFileLoader):
-
     def exec_module(self, module):
         super().exec_module(module)
-        AFTER_IMPORT[module.__name__](module)
+        if module.__name__ in AFTER_IMPORT:
+            AFTER_IMPORT[module.__name__](module)
+
+
+def _plug_in_cpu_quantizer(module):
+    from .cpu_quantizer import plug_in
+    plug_in(module)
+
+
+# What runs after a module is imported: the seam through which this package's CPU quantizer op
+# reaches DeepSpeed's code (cpu_quantizer.py).
+AFTER_IMPORT = {
+    "deepspeed.runtime.comm.coalesced_collectives": _plug_in_cpu_quantizer,
+    "deepspeed.runtime.zero.partition_parameters": _plug_in_cpu_quantizer,
+}
 
 
 def _upstream_spec(fullname, path):
@@ -154,7 +146,7 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
             return None
         origin = overlay_modules().get(fullname)
         edited = edited_modules().get(fullname)
-        if origin is None and edited is None and fullname not in AFTER_IMPORT:
+        if origin is None and edited is None:
             return None
         active, reason = overlay_state()
         if not active:
@@ -168,10 +160,7 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
         upstream = _upstream_spec(fullname, path)
         if upstream is None or upstream.origin is None:
             return None
-        if edited is not None:
-            loader = _EditedLoader(fullname, upstream.origin, edited)
-        else:
-            loader = _AfterImportLoader(fullname, upstream.origin)
+        loader = _EditedLoader(fullname, upstream.origin, edited)
         return importlib.util.spec_from_file_location(fullname,
                                                       upstream.origin,
                                                       loader=loader,

@@ -2,39 +2,79 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
+"""This package's quantizer op for DeepSpeed's CPU accelerator, which has no QuantizerBuilder of its
+own, and the one seam through which it reaches DeepSpeed's code: the quantizer op DeepSpeed caches
+on first use (qgZ's ``coalesced_collectives.quantizer_module``, qwZ's
+``CUDAQuantizer.quantizer_cuda_module``), set on the CPU accelerator to this op, loaded (JIT-built the
+first time, about 40 s) on first use. DeepSpeed's own tests plug a quantizer into qgZ the same way
+(``coalesced_collectives.quantizer_module = NPUQuantizer``)."""
 
-import os
 from pathlib import Path
 
-from .builder import CPUOpBuilder
+from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "quantizer.cpp"
 
 
 class QuantizerBuilder(CPUOpBuilder):
-    """The qgZ quantizer ops (swizzle_quant, quantized_reduction, dequantize, dequantize_fp32) for
-    the CPU accelerator, numerically identical to the CUDA QuantizerBuilder's (which
-    deepspeed_qgz/qgz/qgz_reference.py states in PyTorch). ZeRO-3's qgZ and qwZ call them as
-    they call the CUDA op; the op itself checks its own bounds and the warp rule (this package's
-    pipeline calls it through deepspeed_qgz/qgz/qgz_contract.py's ContractCheckedQuantizer)."""
+    """The quantizer ops (quantize, swizzle_quant, quantized_reduction, dequantize, dequantize_fp32)
+    for the CPU accelerator, numerically identical to the CUDA QuantizerBuilder's (which
+    deepspeed_qgz/qgz/qgz_reference.py states in PyTorch). ZeRO-3's qgZ and qwZ call them as they
+    call the CUDA op; the op itself checks its own bounds and the warp rule (this package's pipeline
+    calls it through deepspeed_qgz/qgz/qgz_contract.py's ContractCheckedQuantizer)."""
     BUILD_VAR = "DS_BUILD_QUANTIZER"
     # Distinct from the CUDA op's name: OpBuilder caches loaded ops by name across builder classes.
     NAME = "quantizer_cpu"
 
     def __init__(self, name=None):
-        name = self.NAME if name is None else name
-        super().__init__(name=name)
+        super().__init__(name=self.NAME if name is None else name)
 
     def absolute_name(self):
-        return f'deepspeed.ops.quantizer.{self.NAME}_op'
+        return f'deepspeed_qgz.{self.NAME}_op'
 
     def sources(self):
-        return ['csrc/cpu/quantization/quantizer.cpp']
+        return [str(SOURCE)]
 
     def include_paths(self):
         return []
 
-    def deepspeed_src_path(self, code_path):
-        # csrc/ sits two levels above this file both in DeepSpeed's source tree (op_builder/cpu/)
-        # and in an installed package (deepspeed/ops/op_builder/cpu/).
-        if os.path.isabs(code_path):
-            return code_path
-        return os.path.join(Path(__file__).resolve().parents[2], code_path)
+
+def builder():
+    """The quantizer op's builder for this process's accelerator: this package's on the CPU
+    accelerator, DeepSpeed's QuantizerBuilder elsewhere."""
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() == "cpu":
+        return QuantizerBuilder()
+    return get_accelerator().create_op_builder("QuantizerBuilder")
+
+
+def load():
+    """The quantizer op of this process's accelerator (``builder()``'s), loaded."""
+    return builder().load()
+
+
+class _OnFirstUse:
+    """The CPU op, loaded when DeepSpeed's code first reads one of its attributes."""
+
+    def __init__(self):
+        self._op = None
+
+    def __getattr__(self, name):
+        if self._op is None:
+            self._op = QuantizerBuilder().load()
+        return getattr(self._op, name)
+
+
+_ON_FIRST_USE = _OnFirstUse()
+
+
+def plug_in(module):
+    """After DeepSpeed imports qgZ's collectives or qwZ's partitioning, on the CPU accelerator: their
+    quantizer op cache, unless something set it already, holds this package's op."""
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu":
+        return
+    holder = module.CUDAQuantizer if hasattr(module, "CUDAQuantizer") else module
+    attribute = "quantizer_cuda_module" if hasattr(module, "CUDAQuantizer") else "quantizer_module"
+    if getattr(holder, attribute) is None:
+        setattr(holder, attribute, _ON_FIRST_USE)

@@ -2,12 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The patch's changes to files DeepSpeed already has and the patch does not replace: edits, each an
-exact piece of upstream text and what it becomes, nearly all of them the pull-request series' own
-hunks (SERIES_PATHS). The overlay applies them to the installed DeepSpeed's source when it imports
-those modules; ``python -m deepspeed_qgz diff`` turns them into the whole patch's hunks. An edit
-whose text is not found the expected number of times raises, so a DeepSpeed release that moved the
-code fails loudly instead of loading half a patch."""
+"""The patch's changes to files DeepSpeed already has and the patch does not replace: the
+pull-request series' own hunks (SERIES_PATHS), each an exact piece of upstream text and what it
+becomes. The overlay applies them to the installed DeepSpeed's source when it imports those modules;
+``python -m deepspeed_qgz diff`` turns them into the whole patch's hunks. An edit whose text does
+not occur exactly once raises, so a DeepSpeed release that moved the code fails loudly instead of
+loading half a patch."""
 
 from dataclasses import dataclass
 from typing import Tuple
@@ -18,15 +18,13 @@ from .series import series_edits
 @dataclass(frozen=True)
 class Edit:
     path: str  # in DeepSpeed's source tree
-    old: str
+    old: str  # found exactly once, and replaced
     new: str
-    count: int = 1  # occurrences of `old` expected (all are replaced)
-    when: str = ""  # if set, the edit applies only to a file holding this text (some supported trees lack it)
 
     @property
     def in_package(self) -> bool:
         """Whether the file ships in an installed deepspeed package (and so in the overlay);
-        documentation exists only in DeepSpeed's git tree."""
+        documentation and tests exist only in DeepSpeed's git tree."""
         return not self.path.startswith(TREE_ONLY)
 
 
@@ -38,24 +36,6 @@ class EditError(RuntimeError):
     pass
 
 
-EDITS: Tuple[Edit, ...] = (
-    # The CPU accelerator's op registry hands out the CPU quantizer for "QuantizerBuilder", so that
-    # deepspeed.ops.op_builder.QuantizerBuilder, create_op_builder, __compatible_ops__ and ds_report
-    # all see it (they fall back to NotImplementedBuilder otherwise).
-    Edit("op_builder/cpu/__init__.py", "from .pin_memory import PinMemoryBuilder\n",
-         "from .pin_memory import PinMemoryBuilder\nfrom .quantizer import QuantizerBuilder\n"),
-    Edit("accelerator/cpu_accelerator.py",
-         "PinMemoryBuilder, NotImplementedBuilder",
-         "PinMemoryBuilder, QuantizerBuilder, NotImplementedBuilder",
-         count=2),
-    Edit(
-        "accelerator/cpu_accelerator.py", '        elif class_name == "PinMemoryBuilder":\n'
-        '            return PinMemoryBuilder\n', '        elif class_name == "PinMemoryBuilder":\n'
-        '            return PinMemoryBuilder\n'
-        '        elif class_name == "QuantizerBuilder":\n'
-        '            return QuantizerBuilder\n'),
-)
-
 # The files of DeepSpeed's that the series edits, in order, with the pull requests' own hunks: those
 # an installed package has, where the release has the text the pull requests were made against (the
 # overlay edits them at import), and DeepSpeed's docs and test modules (`diff --deepspeed-tree` edits
@@ -63,11 +43,10 @@ EDITS: Tuple[Edit, ...] = (
 # overlay carries the series' result of it whole, deepspeed/runtime/comm/coalesced_collectives.py,
 # and of its test module, which the suite runs on the overlay. (The series' tests in test_zeropp.py,
 # a module this repository does not hold, are in upstream/ only.)
-QWZ_PATH = "deepspeed/runtime/zero/partition_parameters.py"
-SERIES_PATHS = (QWZ_PATH, "deepspeed/runtime/zero/config.py", "deepspeed/runtime/zero/stage3.py",
-                "deepspeed/runtime/engine.py", "docs/_pages/config-json.md",
+SERIES_PATHS = ("deepspeed/runtime/zero/partition_parameters.py", "deepspeed/runtime/zero/config.py",
+                "deepspeed/runtime/zero/stage3.py", "deepspeed/runtime/engine.py", "docs/_pages/config-json.md",
                 "tests/unit/runtime/comm/test_coalesced_collectives.py")
-EDITS += tuple(Edit(path, old, new) for path in SERIES_PATHS for _, old, new in series_edits(path))
+EDITS: Tuple[Edit, ...] = tuple(Edit(path, old, new) for path in SERIES_PATHS for _, old, new in series_edits(path))
 
 
 def edited_paths(in_package: bool = True) -> Tuple[str, ...]:
@@ -77,18 +56,17 @@ def edited_paths(in_package: bool = True) -> Tuple[str, ...]:
 
 
 def apply_edits(path: str, text: str) -> str:
-    """`text` (the upstream file at source-tree `path`) with the patch's edits applied; an edit
-    with `when` only where `text` holds that text.
+    """`text` (the upstream file at source-tree `path`) with the patch's edits applied.
 
     Raises:
-        EditError: an edit's text occurs a different number of times than expected.
+        EditError: an edit's text does not occur exactly once.
     """
     for edit in EDITS:
-        if edit.path != path or (edit.when and edit.when not in text):
+        if edit.path != path:
             continue
         found = text.count(edit.old)
-        if found != edit.count:
-            raise EditError(f"deepspeed-qgz: expected {edit.count} occurrence(s) of {edit.old[:80]!r}... in {path}, "
-                            f"found {found}; this DeepSpeed release differs from the patched ones")
+        if found != 1:
+            raise EditError(f"deepspeed-qgz: expected 1 occurrence of {edit.old[:80]!r}... in {path}, found {found}; "
+                            "this DeepSpeed release differs from the patched ones")
         text = text.replace(edit.old, edit.new)
     return text

@@ -33,11 +33,11 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def cpu_quantizer():
-    """The CPU quantizer op, as DeepSpeed's op registry hands it out on the CPU accelerator, behind
+    """The CPU quantizer op, as the overlay plugs it into DeepSpeed on the CPU accelerator, behind
     the kernel-contract checks; JIT-built once before any multi-process test needs it."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed_qgz.cpu_quantizer import load
     from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
-    return ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load())
+    return ContractCheckedQuantizer(load())
 
 
 @pytest.fixture(scope="session")

@@ -184,7 +184,7 @@ def command_output(command):
 
 def environment(report, device, out):
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed_qgz import cpu_quantizer
     from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
     info = {
         "python": platform.python_version(),
@@ -202,7 +202,7 @@ def environment(report, device, out):
     report.row("environment", "versions", "INFO", ", ".join(f"{k} {v}" for k, v in info.items()))
     log_path = (out or Path(tempfile.mkdtemp())) / "build.log"
     begin = time.perf_counter()
-    builder = get_accelerator().create_op_builder("QuantizerBuilder")
+    builder = cpu_quantizer.builder()
     with open(log_path, "w") as log, redirect_fds(log):
         ops = builder.load(verbose=True)
     report.row("environment", f"build {builder.__class__.__module__}.{builder.__class__.__name__}", "PASS",

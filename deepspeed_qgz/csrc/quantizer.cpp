@@ -7,11 +7,12 @@
 CPU implementation of the ZeRO++ quantizer ops: quantize, swizzle_quant, quantized_reduction,
 dequantize and dequantize_fp32, with the Python signatures, output shapes, dtypes and numerics of
 the CUDA binding
-(csrc/quantization/pt_binding.cpp). deepspeed/ops/quantizer/qgz_reference.py states those numerics
+(csrc/quantization/pt_binding.cpp). deepspeed_qgz/qgz/qgz_reference.py states those numerics
 in PyTorch and is the specification this file is tested against, bit for bit.
 
-qgZ calls these functions through ContractCheckedQuantizer
-(deepspeed/ops/quantizer/qgz_contract.py), which checks every call against the whole kernel contract
+ZeRO-3's qgZ and qwZ call these functions as they call the CUDA op (deepspeed_qgz/cpu_quantizer.py);
+this package's own pipeline calls them through ContractCheckedQuantizer
+(deepspeed_qgz/qgz/qgz_contract.py), which checks every call against the whole kernel contract
 first. The TORCH_CHECKs here keep this file's own memory accesses in bounds and, as the contract
 does, refuse quantized_reduction launches of fewer threads than a warp (undefined on CUDA, so never
 computed here either).

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed.accelerator import get_accelerator
+from deepspeed_qgz import cpu_quantizer
 from deepspeed_qgz.qgz.qgz_contract import checked
 from deepspeed_qgz.qgz.quantized_fused_choice import choose_fused, resolve_fused
 from deepspeed_qgz.qgz.quantized_layout import QuantizedReduceLayout, resolve_group_size, resolve_intra_node_bits
@@ -30,7 +30,7 @@ def simulate_all_to_all_quant_reduce(inputs: Sequence[Sequence[torch.Tensor]],
     """Args:
         inputs: inputs[r] is rank r's list of tensors (two or more dimensions, the same shapes on
             every rank), for the num_nodes x local_world_size ranks in rank order.
-        quantizer: the quantizer op module (default: the QuantizerBuilder op of this accelerator;
+        quantizer: the quantizer op module (default: the quantizer op of this accelerator, cpu_quantizer.load();
             not used where the fused kernels run), behind the contract checks.
         group_size: the largest quantization group (quantized_layout.resolve_group_size).
         intra_node_bits: 4 or 8 (quantized_layout.resolve_intra_node_bits).
@@ -48,7 +48,7 @@ def simulate_all_to_all_quant_reduce(inputs: Sequence[Sequence[torch.Tensor]],
                                  resolve_group_size(group_size), resolve_intra_node_bits(intra_node_bits))
     fused = resolve_fused(fused)
     if quantizer is None:
-        quantizer = get_accelerator().create_op_builder("QuantizerBuilder").load()
+        quantizer = cpu_quantizer.load()
     quantizer = checked(quantizer)
     run_stages = []  # every run's kernels decided before any launch
     for start, layout in plan:

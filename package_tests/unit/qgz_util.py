@@ -14,6 +14,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed_qgz import cpu_quantizer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 INTRA_NODE_BITS = (4, 8)
@@ -29,10 +30,10 @@ def device():
 
 @functools.lru_cache(maxsize=None)
 def quantizer():
-    """The accelerator's QuantizerBuilder op (the CPU op on the CPU accelerator) behind the
-    kernel-contract checks, as all_to_all_quant_reduce uses it."""
+    """The accelerator's quantizer op (this package's CPU op on the CPU accelerator) behind the
+    kernel-contract checks, as this package's pipeline uses it."""
     from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
-    return ContractCheckedQuantizer(get_accelerator().create_op_builder("QuantizerBuilder").load())
+    return ContractCheckedQuantizer(cpu_quantizer.load())
 
 
 def same_bits(a, b):

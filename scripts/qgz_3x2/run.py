@@ -28,13 +28,15 @@ def build_ops():
     """JIT-build the ops the trainings load once, here, with a line each, before six ranks would
     wait on one build with nothing on screen but step 0 of the first progress bar."""
     from deepspeed.accelerator import get_accelerator
-    for name, what in (("QuantizerBuilder", "the CPU quantizer op (about 40 s the first time)"),
-                       ("FusedAdamBuilder", "DeepSpeed's CPU Adam op (a few minutes the first time)"),
-                       ("ShareMemCommBuilder", "DeepSpeed's shared-memory communication op (a minute or two the "
-                        "first time)")):
+    from deepspeed_qgz import cpu_quantizer
+    for builder, what in ((cpu_quantizer.builder(), "the CPU quantizer op (about 40 s the first time)"),
+                          (get_accelerator().create_op_builder("FusedAdamBuilder"),
+                           "DeepSpeed's CPU Adam op (a few minutes the first time)"),
+                          (get_accelerator().create_op_builder("ShareMemCommBuilder"),
+                           "DeepSpeed's shared-memory communication op (a minute or two the first time)")):
         log(f"op build: {what}; cached after")
         start = time.perf_counter()
-        get_accelerator().create_op_builder(name).load(verbose=False)
+        builder.load(verbose=False)
         log(f"op build: done in {time.perf_counter() - start:.1f} s")
 
 

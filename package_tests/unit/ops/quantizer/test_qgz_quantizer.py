@@ -195,7 +195,7 @@ def test_launch_geometry_matches_the_contract(cpu_quantizer):
 
 def test_portable_path_matches_reference():
     """The scalar path (non-x86 machines) built here with QGZ_SCALAR, against the reference."""
-    from deepspeed.ops.op_builder.cpu.quantizer import QuantizerBuilder
+    from deepspeed_qgz.cpu_quantizer import QuantizerBuilder
     from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
 
     class ScalarQuantizerBuilder(QuantizerBuilder):
