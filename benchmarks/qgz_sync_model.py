@@ -87,8 +87,7 @@ def count_work(method, num_nodes, local_world_size):
                 mock.patch.object(coalesced_collectives, "_torch_reduce_scatter_fn", lambda *a, **k: None), work:
             coalesced_collectives.reduce_scatter_coalesced(tensors)
     else:
-        quantizer = work.counting_quantizer(
-            ContractCheckedQuantizer(cpu_quantizer.load()))
+        quantizer = work.counting_quantizer(ContractCheckedQuantizer(cpu_quantizer.load()))
         plan = quantized_reduce_plan(tuple(t.numel() for t in tensors), num_nodes, local_world_size,
                                      DEFAULT_GROUP_SIZE, INTRA_NODE_BITS[method])
 
