@@ -279,7 +279,7 @@ def worker(args):
         quantized, keys, variant, _ = runs[name]
         # stage 3 passes the config keys, which 0.19.8's function does not take
         stage3.all_to_all_quant_reduce = ((
-            lambda tensors, groups, **_: upstream.all_to_all_quant_reduce(tensors, groups))
+            lambda tensors, groups, *_, **__: upstream.all_to_all_quant_reduce(tensors, groups))
                                           if variant == "upstream" else ours_reduce)
         torch.manual_seed(seed)
         model = make_model()

@@ -8,7 +8,7 @@ Gradients (qgZ): the share of a model's gradient elements DeepSpeed 0.19.8 quant
 or more dimensions whose numel is a multiple of 2 x world; the rest falls back to the fp16
 reduce-scatter) and, of that, the share whose kernel calls leave the kernels' contract
 (qgz_contract.py: its groups = max(shape[0], shape[1], world) rule; warp rule included), against the
-patch's (every tensor of two or more dimensions) and the padding its layout adds.
+series' (every tensor of two or more dimensions) and the padding it stages, at its default groups.
 
 Weights (qwZ): the share of a model's weight elements DeepSpeed 0.19.8's quantized all-gather can
 take, each parameter gathered alone (its partition ceil(numel / world) must be a multiple of 8
@@ -24,7 +24,6 @@ import torch
 
 from deepspeed_qgz.qgz.qgz_contract import (SYMMETRIC, quantize_violations, quantized_reduction_violations,
                                             swizzle_quant_violations)
-from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout, resolve_group_size
 from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
 
 
@@ -70,9 +69,18 @@ def coverage(shapes, nodes, devices):
     upstream = [s for s in shapes if len(s) > 1 and numel(s) % (2 * world) == 0]
     upstream_broken = [s for s in upstream if outside_contract(s)]
     ours = [s for s in shapes if len(s) > 1]
-    layout = quantized_reduce_layout(tuple(numel(s) for s in ours), nodes, devices, resolve_group_size())
     share = lambda group: sum(numel(s) for s in group) / total  # noqa: E731
-    return share(upstream), share(upstream_broken), share(ours), layout.padding_elems / share(ours) / total
+    padding = sum(series_padding_elems(s, world) for s in ours) / sum(numel(s) for s in ours)
+    return share(upstream), share(upstream_broken), share(ours), padding
+
+
+def series_padding_elems(shape, world, max_group_size=40960):
+    """The zeros the series' all_to_all_quant_reduce (upstream/0001, 0012) stages for a gradient of
+    `shape` on `world` ranks: each rank's partition padded to whole groups of the shape rule's size
+    (max(shape[0], shape[1], world) groups, whole vectors of 8 values, 136 to max_group_size)."""
+    n = numel(shape)
+    group = min(max(8 * math.ceil(n / max(shape[0], shape[1], world) / 8), 136), max_group_size)
+    return world * group * math.ceil(math.ceil(n / world) / group) - n
 
 
 def upstream_weight_groups(partition):
@@ -121,7 +129,7 @@ def weight_coverage(shapes, nodes, devices):
 
 
 def main():
-    print("Gradients (qgZ), the default group size:\n")
+    print("Gradients (qgZ), the series' default groups:\n")
     print("| model | nodes x GPUs | 0.19.8 quantizes | of which outside the kernel contract | the patch quantizes "
           "| padding added |")
     print("|---|---|---:|---:|---:|---:|")
