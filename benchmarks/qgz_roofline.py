@@ -52,7 +52,7 @@ from functools import lru_cache
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # unit.qgz_compile: the launches and Triton's compiler
+sys.path.insert(0, str(HERE.parent / "package_tests"))  # unit.qgz_compile: the launches and Triton's compiler
 
 GPUS = {
     "A100": dict(arch=80, sms=108, clock=1.41e9, hbm=2039e9),
