@@ -333,7 +333,9 @@ def worker(args):
             (out / run_file(name, seed)).write_text(json.dumps(result))
         engine.destroy() if hasattr(engine, "destroy") else None
         del engine, model
-    if (out / MODEL).exists() and not args.smoke:
+    # every rank decides from the plan, not from the file rank 0 writes (a rank that looked before
+    # the file landed would skip the fidelity's collectives and leave the others waiting)
+    if ("off", 0) in plan and not args.smoke:
         dist.barrier()  # rank 0 saved it
         if rank == 0:
             print("PHASE fidelity: every setting on the trained qgZ-off model's gradients", flush=True)

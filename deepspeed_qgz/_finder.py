@@ -10,7 +10,7 @@ For a ``deepspeed.*`` module the hook supplies, in this order:
   reduce-scatter call for coalesced_collectives;
 * upstream's file with the patch's edits applied (``upstream_edits``), for a module it edits.
 After qgZ's collectives and qwZ's partitioning are imported, on DeepSpeed's CPU accelerator, their
-quantizer op is this package's (``AFTER_IMPORT``, cpu_quantizer.py). Every other module is left to
+quantizer op is this package's (``AFTER_IMPORT``, ``plug_in_cpu_quantizer``). Every other module is left to
 the normal import system."""
 
 import functools
@@ -121,16 +121,41 @@ class _EditedLoader(importlib.machinery.SourceFileLoader):
             AFTER_IMPORT[module.__name__](module)
 
 
-def _plug_in_cpu_quantizer(module):
-    from .cpu_quantizer import plug_in
-    plug_in(module)
+class _CPUQuantizerOnFirstUse:
+    """This package's CPU quantizer op (cpu_quantizer.py), loaded when DeepSpeed's code first reads one
+    of its attributes. (Imported then, not before: cpu_quantizer imports DeepSpeed, whose import
+    reaches the modules this hook follows.)"""
+
+    def __init__(self):
+        self._op = None
+
+    def __getattr__(self, name):
+        if self._op is None:
+            from .cpu_quantizer import QuantizerBuilder
+            self._op = QuantizerBuilder().load()
+        return getattr(self._op, name)
+
+
+_CPU_QUANTIZER = _CPUQuantizerOnFirstUse()
+
+
+def plug_in_cpu_quantizer(module):
+    """After DeepSpeed imports qgZ's collectives or qwZ's partitioning, on the CPU accelerator: their
+    quantizer op cache, unless something set it already, holds this package's op."""
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu":
+        return
+    holder = module.CUDAQuantizer if hasattr(module, "CUDAQuantizer") else module
+    attribute = "quantizer_cuda_module" if hasattr(module, "CUDAQuantizer") else "quantizer_module"
+    if getattr(holder, attribute) is None:
+        setattr(holder, attribute, _CPU_QUANTIZER)
 
 
 # What runs after a module is imported: the seam through which this package's CPU quantizer op
-# reaches DeepSpeed's code (cpu_quantizer.py).
+# reaches DeepSpeed's code.
 AFTER_IMPORT = {
-    "deepspeed.runtime.comm.coalesced_collectives": _plug_in_cpu_quantizer,
-    "deepspeed.runtime.zero.partition_parameters": _plug_in_cpu_quantizer,
+    "deepspeed.runtime.comm.coalesced_collectives": plug_in_cpu_quantizer,
+    "deepspeed.runtime.zero.partition_parameters": plug_in_cpu_quantizer,
 }
 
 

@@ -3,8 +3,8 @@
 
 # DeepSpeed Team
 """This package's quantizer op for DeepSpeed's CPU accelerator, which has no QuantizerBuilder of its
-own, and the one seam through which it reaches DeepSpeed's code: the quantizer op DeepSpeed caches
-on first use (qgZ's ``coalesced_collectives.quantizer_module``, qwZ's
+own. It reaches DeepSpeed's code through one seam (_finder.plug_in_cpu_quantizer): the quantizer op
+DeepSpeed caches on first use (qgZ's ``coalesced_collectives.quantizer_module``, qwZ's
 ``CUDAQuantizer.quantizer_cuda_module``), set on the CPU accelerator to this op, loaded (JIT-built the
 first time, about 40 s) on first use. DeepSpeed's own tests plug a quantizer into qgZ the same way
 (``coalesced_collectives.quantizer_module = NPUQuantizer``)."""
@@ -51,30 +51,3 @@ def builder():
 def load():
     """The quantizer op of this process's accelerator (``builder()``'s), loaded."""
     return builder().load()
-
-
-class _OnFirstUse:
-    """The CPU op, loaded when DeepSpeed's code first reads one of its attributes."""
-
-    def __init__(self):
-        self._op = None
-
-    def __getattr__(self, name):
-        if self._op is None:
-            self._op = QuantizerBuilder().load()
-        return getattr(self._op, name)
-
-
-_ON_FIRST_USE = _OnFirstUse()
-
-
-def plug_in(module):
-    """After DeepSpeed imports qgZ's collectives or qwZ's partitioning, on the CPU accelerator: their
-    quantizer op cache, unless something set it already, holds this package's op."""
-    from deepspeed.accelerator import get_accelerator
-    if get_accelerator().device_name() != "cpu":
-        return
-    holder = module.CUDAQuantizer if hasattr(module, "CUDAQuantizer") else module
-    attribute = "quantizer_cuda_module" if hasattr(module, "CUDAQuantizer") else "quantizer_module"
-    if getattr(holder, attribute) is None:
-        setattr(holder, attribute, _ON_FIRST_USE)

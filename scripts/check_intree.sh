@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
 # The in-tree route, as a maintainer takes the whole patch: DeepSpeed 0.19.8's source
-# distribution with `python -m deepspeed_qgz diff --sdist` applied by git apply. DeepSpeed's git tree
-# has deepspeed/ops/op_builder, deepspeed/ops/csrc and deepspeed/accelerator as symbolic links to the
-# top-level directories; its source distribution ships copies, which --sdist patches too. Its
-# documentation and tests are not in the source distribution: their hunks need a DeepSpeed checkout
-# (scripts/deepspeed_tests.sh --deepspeed-tree).
+# distribution with `python -m deepspeed_qgz diff --sdist` applied by git apply (--sdist would also
+# patch the source distribution's copies of op_builder/, csrc/ and accelerator/, which the patch
+# does not change now). Its documentation and tests are not in the source distribution: their hunks
+# need a DeepSpeed checkout (scripts/deepspeed_tests.sh --deepspeed-tree).
 #
 # The suites run once, against the overlay (scripts/test.sh), on the same files: here, that the
-# patched tree is what the overlay imports, file by file (the files the patch adds or replaces are
-# this repository's; the files it edits are the overlay's edits of 0.19.8's), and that a wheel of
-# it, as pip builds one to install it, ships every file the patch adds (the CPU quantizer op's
-# source and builder among them).
+# patched tree is what the overlay imports, file by file (the module the patch replaces is this
+# repository's; the files it edits are the overlay's edits of 0.19.8's), and that a wheel of it, as
+# pip builds one to install it, ships that module.
 #   bash scripts/check_intree.sh
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -7,7 +7,7 @@ A readable pure-PyTorch statement of what the qgZ quantizer kernels compute, bit
 
 Same signatures, argument meanings, output shapes and dtypes as the CUDA binding
 (csrc/quantization/pt_binding.cpp): ``quantize``, ``swizzle_quant``, ``quantized_reduction``,
-``dequantize`` and ``dequantize_fp32``. The CPU op (csrc/cpu/quantization/quantizer.cpp) is tested against this module,
+``dequantize`` and ``dequantize_fp32``. The CPU op (deepspeed_qgz/csrc/quantizer.cpp) is tested against this module,
 bit for bit; so can the CUDA kernels be. It runs on any device.
 
 Numerics, as the kernels define them:

@@ -2,10 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Whether a quantized gradient reduce-scatter runs the fused Triton kernels (quantized_fused.py) or
-DeepSpeed's quantizer kernels with the glue (quantized_pipeline.py): the setting
-``zero_quantized_gradients_fused`` (``fused=`` of all_to_all_quant_reduce), and for ``"auto"`` and
-``true`` the decision the rank's own GPU makes.
+"""Whether this package's quantized gradient reduce-scatter (not run by training) runs the fused
+Triton kernels (quantized_fused.py) or DeepSpeed's quantizer kernels with the glue
+(quantized_pipeline.py): the setting ``fused=`` of simulate_all_to_all_quant_reduce and
+choose_fused (until 0.3.0 the ZeRO config key ``zero_quantized_gradients_fused``, whose name the
+INFO line keeps), and for ``"auto"`` and ``true`` the decision the rank's own GPU makes.
 
 ====================  ======================================================================
 setting               what a call does
@@ -39,10 +40,9 @@ only where every rank's is "faster" (with ``true``: passed the check), so a rank
 keeps every rank off them. Every rank reaches the same all-reduces at the same call: the plan and its
 layouts are functions of the tensors' shapes, which a reduce-scatter's ranks share.
 
-So a process runs at most one check (and one all-reduce) per key, in a training run one per distinct
-group size its buckets' layouts take: one at the default zero_quantized_gradients_group_size of 136
-(whose only group size is 136), at most one per multiple of 8 from 136 up to a larger configured
-size. Where the reduce buckets repeat every step (ZeRO-3's do, for a fixed model and backward order)
+So a process runs at most one check (and one all-reduce) per key, one per distinct group size its
+buckets' layouts take: one at the default group size of 136 (whose only group size is 136), at most
+one per multiple of 8 from 136 up to a larger configured size. Where the reduce buckets repeat every step (ZeRO-3's do, for a fixed model and backward order)
 every check runs in the first step that reduces gradients; a bucket of new tensor shapes at a later
 step can bring a new group size, and its check and all-reduce come at that call.
 
@@ -66,19 +66,17 @@ from deepspeed_qgz.qgz.quantized_layout import (QuantizedReduceLayout, SlotForma
                                                 resolve_intra_node_bits)
 
 AUTO = "auto"
-FUSED_SETTINGS = (False, True, AUTO)
-DEFAULT_FUSED = AUTO
 
 
-def resolve_fused(value, name: str = "fused"):
+def resolve_fused(value):
     """The fused setting `value`: False, True or "auto".
 
     Raises:
-        ValueError: any other value (named `name` in the message).
+        ValueError: any other value.
     """
     if value is True or value is False or value == AUTO:
         return value
-    raise ValueError(f"{name} {value!r} must be one of true, false or \"auto\"")
+    raise ValueError(f"fused {value!r} must be one of true, false or \"auto\"")
 
 
 @dataclass(frozen=True)

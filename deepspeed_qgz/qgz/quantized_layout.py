@@ -76,8 +76,8 @@ SCALE_BYTES = 4
 
 # The smallest group quantized_reduction reduces with a whole warp (see the module docstring).
 MIN_GROUP_SIZE = reduce_min_out_group_elems(INTER_NODE_BITS)
-# The largest quantization group, in values, and the intra-node precision, unless the caller (the
-# ZeRO config keys zero_quantized_gradients_group_size and _intra_node_bits) says otherwise.
+# The largest quantization group, in values, and the intra-node precision, unless the caller says
+# otherwise.
 DEFAULT_GROUP_SIZE = MIN_GROUP_SIZE
 
 
@@ -99,16 +99,16 @@ def resolve_group_size(group_size: Optional[int] = None, name: str = "group_size
     return group_size
 
 
-def resolve_intra_node_bits(intra_node_bits: Optional[int] = None, name: str = "intra_node_bits") -> int:
+def resolve_intra_node_bits(intra_node_bits: Optional[int] = None) -> int:
     """The precision of the intra-node exchange: `intra_node_bits`, or DEFAULT_INTRA_NODE_BITS if None.
 
     Raises:
-        ValueError: the value (named `name` in the message) is not one of INTRA_NODE_BITS.
+        ValueError: the value is not one of INTRA_NODE_BITS.
     """
     if intra_node_bits is None:
         return DEFAULT_INTRA_NODE_BITS
     if intra_node_bits not in INTRA_NODE_BITS or not isinstance(intra_node_bits, int):
-        raise ValueError(f"{name} {intra_node_bits!r} must be one of {INTRA_NODE_BITS}")
+        raise ValueError(f"intra_node_bits {intra_node_bits!r} must be one of {INTRA_NODE_BITS}")
     return intra_node_bits
 
 

@@ -40,7 +40,7 @@ def build_ops():
         log(f"op build: done in {time.perf_counter() - start:.1f} s")
 
 
-def run(config, steps, label="", timeout=900, env=None):
+def run(config, steps, label="", timeout=900):
     """Returns ({rank: [loss per step]}, rank 0's report (its gradient collectives' calls and bytes
     under "collectives", the trained weights under "weights"), the agents' combined output)."""
     progress = Progress(steps, label) if label else None
@@ -59,7 +59,6 @@ def run(config, steps, label="", timeout=900, env=None):
                                     NODES,
                                     PROCS_PER_NODE,
                                     timeout=timeout,
-                                    env=env,
                                     on_output=on_output)
         reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(losses_dir).glob("rank*.json")}
     if sorted(reports) != list(range(NODES * PROCS_PER_NODE)):
@@ -106,17 +105,17 @@ def main():
     finite = all(math.isfinite(loss) for losses in qgz_losses.values() for loss in losses)
     print(f"all {len(qgz_losses)} ranks finite: {finite}")
     on = qgz["collectives"]
-    all_to_all = on.get("all_to_all_single", {"calls": 0, "bytes": 0})
-    fallback = on.get("reduce_scatter_tensor", {"calls": 0})["calls"]
+    all_to_all, fallback = on["all_to_all"], on["reduce_scatter"]["calls"]
     print(f"qgZ, rank 0: {all_to_all['calls']} all-to-alls of {all_to_all['bytes']} bytes in all, {fallback} "
           f"reduce-scatters (DeepSpeed's comms logger)")
     if exact:
         print(f"trained weights, qgZ on against off: relative difference "
               f"{relative_difference(qgz['weights'], exact['weights']):.2e}")
-        off = exact["collectives"]["reduce_scatter_tensor"]["bytes"]
-        print(
-            f"bytes handed to the gradient collectives per step, rank 0: qgZ on {all_to_all['bytes'] / args.steps:.0f} "
-            f"(all-to-all), off {off / args.steps:.0f} (reduce-scatter) ({all_to_all['bytes'] / off:.3f}x)")
+        off = exact["collectives"]["reduce_scatter"]["bytes"]
+        ratio = f" ({all_to_all['bytes'] / off:.3f}x)" if off else ""
+        print(f"bytes handed to the gradient collectives per step, rank 0: qgZ on "
+              f"{all_to_all['bytes'] / args.steps:.0f} (all-to-all), off {off / args.steps:.0f} (reduce-scatter)" +
+              ratio)
     return 0 if finite and all_to_all["calls"] > 0 and fallback == 0 else 1
 
 

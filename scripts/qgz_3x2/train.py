@@ -77,14 +77,16 @@ def main():
 
     weights = model._zero3_consolidated_16bit_state_dict()  # a collective: every rank takes part
     # what the gradient reduce-scatter sent, as DeepSpeed's comms logger (enabled in the configs) counts
-    # it: qgZ's all-to-alls, and the reduce-scatter of the exact path
+    # it: qgZ's all-to-alls, and the exact path's reduce-scatter (logged as reduce_scatter where
+    # DeepSpeed falls back from reduce_scatter_tensor to the list form)
+    logged = dist.comms_logger.comms_dict
     collectives = {
-        name: {
-            "calls": sum(record[0] for record in logged.values()),
-            "bytes": sum(size * record[0] for size, record in logged.items())
+        kind: {
+            "calls": sum(record[0] for name in names for record in logged.get(name, {}).values()),
+            "bytes": sum(size * record[0] for name in names for size, record in logged.get(name, {}).items())
         }
-        for name, logged in dist.comms_logger.comms_dict.items()
-        if name in ("all_to_all_single", "reduce_scatter_tensor")
+        for kind, names in (("all_to_all", ("all_to_all_single", )), ("reduce_scatter", ("reduce_scatter_tensor",
+                                                                                         "reduce_scatter")))
     }
     if args.loss_dir:
         report = {"losses": losses, "collectives": collectives, "steps": len(losses)}

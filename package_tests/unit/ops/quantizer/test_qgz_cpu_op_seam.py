@@ -56,8 +56,8 @@ def test_a_quantizer_set_before_first_use_is_kept():
     from deepspeed.ops.op_builder.npu.quantizer import NPUQuantizer
     saved, coalesced_collectives.quantizer_module = coalesced_collectives.quantizer_module, NPUQuantizer
     try:
-        from deepspeed_qgz.cpu_quantizer import plug_in
-        plug_in(coalesced_collectives)
+        from deepspeed_qgz._finder import plug_in_cpu_quantizer
+        plug_in_cpu_quantizer(coalesced_collectives)
         assert coalesced_collectives.quantizer_module is NPUQuantizer
     finally:
         coalesced_collectives.quantizer_module = saved
