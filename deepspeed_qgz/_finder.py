@@ -139,23 +139,21 @@ class _CPUQuantizerOnFirstUse:
 _CPU_QUANTIZER = _CPUQuantizerOnFirstUse()
 
 
-def plug_in_cpu_quantizer(module):
-    """After DeepSpeed imports qgZ's collectives or qwZ's partitioning, on the CPU accelerator: their
-    quantizer op cache, unless something set it already, holds this package's op."""
+def plug_in_cpu_quantizer(holder, attribute):
+    """On the CPU accelerator, DeepSpeed's quantizer op cache `holder.attribute`, unless something set
+    it already, holds this package's op."""
     from deepspeed.accelerator import get_accelerator
-    if get_accelerator().device_name() != "cpu":
-        return
-    holder = module.CUDAQuantizer if hasattr(module, "CUDAQuantizer") else module
-    attribute = "quantizer_cuda_module" if hasattr(module, "CUDAQuantizer") else "quantizer_module"
-    if getattr(holder, attribute) is None:
+    if get_accelerator().device_name() == "cpu" and getattr(holder, attribute) is None:
         setattr(holder, attribute, _CPU_QUANTIZER)
 
 
 # What runs after a module is imported: the seam through which this package's CPU quantizer op
-# reaches DeepSpeed's code.
+# reaches DeepSpeed's code, qgZ's and qwZ's quantizer op caches.
 AFTER_IMPORT = {
-    "deepspeed.runtime.comm.coalesced_collectives": plug_in_cpu_quantizer,
-    "deepspeed.runtime.zero.partition_parameters": plug_in_cpu_quantizer,
+    "deepspeed.runtime.comm.coalesced_collectives":
+    lambda module: plug_in_cpu_quantizer(module, "quantizer_module"),
+    "deepspeed.runtime.zero.partition_parameters":
+    lambda module: plug_in_cpu_quantizer(module.CUDAQuantizer, "quantizer_cuda_module"),
 }
 
 

@@ -56,3 +56,17 @@ def series_edits(path: str) -> Tuple[Tuple[str, str, str], ...]:
     """(patch file name, old, new) for every hunk of the series that changes `path`, in order."""
     return tuple((patch.name, old, new) for patch in sorted(series_dir().glob("*.patch"))
                  for old, new in hunks(patch.read_text(), path))
+
+
+def revert(path: str, text: str) -> str:
+    """`text`, the series' result of `path`, with the series' hunks taken back out, last first: the file
+    the series was made against.
+
+    Raises:
+        ValueError: a hunk's result does not occur exactly once in what is left of `text`.
+    """
+    for patch, old, new in reversed(series_edits(path)):
+        if text.count(new) != 1:
+            raise ValueError(f"a hunk of {patch} found {text.count(new)} times in {path}")
+        text = text.replace(new, old)
+    return text

@@ -27,11 +27,8 @@ TEST_MODULE = "tests/unit/runtime/comm/test_coalesced_collectives.py"
 def _master_test_module():
     """Master's test module of the collectives: this repository's, the series' result, with the
     series' hunks taken back out (scripts/check_series.sh checks it is master's, by its blob id)."""
-    from deepspeed_qgz.series import series_edits
-    text = (ROOT / TEST_MODULE).read_text()
-    for _, old, new in reversed(series_edits(TEST_MODULE)):
-        text = text.replace(new, old)
-    return text
+    from deepspeed_qgz.series import revert
+    return revert(TEST_MODULE, (ROOT / TEST_MODULE).read_text())
 
 
 LOCO = '''

@@ -57,7 +57,7 @@ def test_a_quantizer_set_before_first_use_is_kept():
     saved, coalesced_collectives.quantizer_module = coalesced_collectives.quantizer_module, NPUQuantizer
     try:
         from deepspeed_qgz._finder import plug_in_cpu_quantizer
-        plug_in_cpu_quantizer(coalesced_collectives)
+        plug_in_cpu_quantizer(coalesced_collectives, "quantizer_module")
         assert coalesced_collectives.quantizer_module is NPUQuantizer
     finally:
         coalesced_collectives.quantizer_module = saved
