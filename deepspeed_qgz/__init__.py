@@ -9,12 +9,14 @@ This package carries the series' results it holds at DeepSpeed's own paths (unde
 series' patches, whose hunks it applies to the DeepSpeed files they change (``series``,
 ``upstream_edits``), and a meta-path finder, started from a ``.pth`` file in every Python process of
 the environment, that imports the carried modules in place of the installed DeepSpeed's and applies
-the hunks as it imports the edited modules. On DeepSpeed's CPU accelerator it plugs its own quantizer
-op into DeepSpeed's code (``cpu_quantizer``). Its own qgZ pipeline and fused kernels (``qgz``) are
-not run by training. Nothing of DeepSpeed's own installation is modified; ``pip uninstall
+the hunks as it imports the edited modules. It plugs its own quantizer ops into DeepSpeed's code
+through the quantizer op DeepSpeed caches: its Triton kernels with ``DS_QGZ_QUANTIZER=triton``
+(``triton_quantizer``), and on DeepSpeed's CPU accelerator, which has no quantizer op, its C++ one
+(``cpu_quantizer``). Its earlier qgZ pipeline and fused kernels (``qgz``) are not run by training. Nothing of DeepSpeed's own installation is modified; ``pip uninstall
 deepspeed-qgz`` restores it completely.
 
-``DS_QGZ_OVERLAY=0`` switches the overlay off for a process (and the processes it starts).
+``DS_QGZ_OVERLAY=0`` switches the overlay off for a process (and the processes it starts);
+``DS_QGZ_QUANTIZER=triton`` makes qgZ and qwZ call the Triton kernels.
 """
 
 __version__ = "0.4.0"
@@ -23,6 +25,8 @@ __version__ = "0.4.0"
 SUPPORTED_DEEPSPEED = ("0.19.8", )
 
 DISABLE_ENV = "DS_QGZ_OVERLAY"
+# Which quantizer op qgZ and qwZ call: "triton" (this package's Triton kernels) or "deepspeed" (the default).
+QUANTIZER_ENV = "DS_QGZ_QUANTIZER"
 
 # DeepSpeed source-tree directories and where an installed deepspeed package has them. In
 # DeepSpeed's git tree the installed-side paths are symbolic links to the source-side ones; its

@@ -7,11 +7,12 @@
 import argparse
 import difflib
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
 
-from . import DISABLE_ENV, LINKED_DIRS, __version__, installed_path, source_path
+from . import DISABLE_ENV, LINKED_DIRS, QUANTIZER_ENV, __version__, installed_path, source_path
 from ._finder import TREE, overlay_state
 from .replaced_modules import replace_module
 from .upstream_edits import EditError, apply_edits, edited_paths
@@ -48,13 +49,30 @@ def status(_args):
     print(f"coalesced_collectives {'patched' if patched else 'UPSTREAM'}: {collectives.__file__}")
     if stage3.all_to_all_quant_reduce is not collectives.all_to_all_quant_reduce:
         print("stage3.all_to_all_quant_reduce: NOT the module's function (!)")
-    print("cpu quantizer op: ", end="", flush=True)
     from deepspeed.accelerator import get_accelerator
-    from .cpu_quantizer import builder as quantizer_builder
-    builder = quantizer_builder()
-    if get_accelerator().device_name() != "cpu" or not patched:
-        print(f"not used here ({get_accelerator().device_name()} accelerator, {builder.__class__.__name__})")
+    from ._finder import chosen_quantizer
+    device = get_accelerator().device_name()
+    try:
+        chosen, _ = chosen_quantizer(device)
+    except ValueError as exc:
+        print(f"quantizer op  FAILED: {exc}")
+        return 1
+    print(f"quantizer op  {chosen} ({QUANTIZER_ENV}={os.environ.get(QUANTIZER_ENV, '')!r}, {device} accelerator): ",
+          end="",
+          flush=True)
+    if not patched:
+        print("not plugged in (the series' module is not installed)")
         return 0
+    if chosen == "deepspeed":
+        print("DeepSpeed's own")
+        return 0
+    if chosen == "triton":
+        from . import triton_quantizer
+        reason = triton_quantizer.unavailable_reason(device if device == "cuda" else "cpu")
+        print("runs here" if reason is None else f"does NOT run here: {reason}")
+        return 0 if reason is None else 1
+    from .cpu_quantizer import QuantizerBuilder
+    builder = QuantizerBuilder()
     try:
         start = time.perf_counter()
         builder.load(verbose=False)

@@ -9,8 +9,9 @@ For a ``deepspeed.*`` module the hook supplies, in this order:
 * the patch's own file, for a module the patch carries (``tree/``), announcing itself on its first
   reduce-scatter call for coalesced_collectives;
 * upstream's file with the patch's edits applied (``upstream_edits``), for a module it edits.
-After qgZ's collectives and qwZ's partitioning are imported, on DeepSpeed's CPU accelerator, their
-quantizer op is this package's (``AFTER_IMPORT``, ``plug_in_cpu_quantizer``). Every other module is left to
+After qgZ's collectives and qwZ's partitioning are imported, their quantizer op is the one
+``DS_QGZ_QUANTIZER`` chooses (``AFTER_IMPORT``, ``plug_in_quantizer``): this package's Triton op, or
+DeepSpeed's own except on the CPU accelerator, which has none and takes this package's. Every other module is left to
 the normal import system."""
 
 import functools
@@ -22,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import DISABLE_ENV, SUPPORTED_DEEPSPEED, __version__, installed_path
+from . import DISABLE_ENV, QUANTIZER_ENV, SUPPORTED_DEEPSPEED, __version__, installed_path
 
 TREE = Path(__file__).resolve().parent / "tree"
 
@@ -71,7 +72,7 @@ def overlay_state():
 
 # The reduce-scatter entry points ZeRO-3 calls. The first call in a process (deepspeed.comm is up
 # by then, and the user's log level set) logs through DeepSpeed's logger, on rank 0, that the
-# overlay is active.
+# overlay is active, and which quantizer op it plugged in.
 ANNOUNCE_ON_FIRST_CALL = ("deepspeed.runtime.comm.coalesced_collectives", ("all_to_all_quant_reduce",
                                                                            "reduce_scatter_coalesced"))
 
@@ -95,8 +96,10 @@ def _announce_first_call(fn, origin):
     def wrapper(*args, **kwargs):
         if not _AnnouncingLoader.announced:
             _AnnouncingLoader.announced = True
+            from deepspeed.accelerator import get_accelerator
             from deepspeed.utils.logging import log_dist
-            log_dist(f"qgZ overlay active: {overlay_state()[1]} ({origin})", ranks=[0])
+            quantizer = chosen_quantizer(get_accelerator().device_name())[0]
+            log_dist(f"qgZ overlay active: {overlay_state()[1]}, quantizer op {quantizer} ({origin})", ranks=[0])
         return fn(*args, **kwargs)
 
     return wrapper
@@ -121,39 +124,71 @@ class _EditedLoader(importlib.machinery.SourceFileLoader):
             AFTER_IMPORT[module.__name__](module)
 
 
-class _CPUQuantizerOnFirstUse:
-    """This package's CPU quantizer op (cpu_quantizer.py), loaded when DeepSpeed's code first reads one
-    of its attributes. (Imported then, not before: cpu_quantizer imports DeepSpeed, whose import
+class _OpOnFirstUse:
+    """A quantizer op of this package, loaded when DeepSpeed's code first reads one of its attributes.
+    (Imported then, not before: the op's modules import DeepSpeed or Triton, and DeepSpeed's import
     reaches the modules this hook follows.)"""
 
-    def __init__(self):
+    def __init__(self, load):
+        self._load = load
         self._op = None
 
     def __getattr__(self, name):
         if self._op is None:
-            from .cpu_quantizer import QuantizerBuilder
-            self._op = QuantizerBuilder().load()
+            self._op = self._load()
         return getattr(self._op, name)
 
 
-_CPU_QUANTIZER = _CPUQuantizerOnFirstUse()
+def _load_cpu_op():
+    from .cpu_quantizer import QuantizerBuilder
+    return QuantizerBuilder().load()
 
 
-def plug_in_cpu_quantizer(holder, attribute):
-    """On the CPU accelerator, DeepSpeed's quantizer op cache `holder.attribute`, unless something set
-    it already, holds this package's op."""
+def _load_triton_op():
+    from . import triton_quantizer
+    return triton_quantizer
+
+
+# The quantizer ops DS_QGZ_QUANTIZER chooses from: "triton" (deepspeed_qgz/triton_quantizer.py, on any
+# accelerator), or, unset or "deepspeed", DeepSpeed's own op, except on the CPU accelerator, which has
+# none and takes this package's (deepspeed_qgz/cpu_quantizer.py).
+QUANTIZERS = {"triton": _OpOnFirstUse(_load_triton_op), "cpu": _OpOnFirstUse(_load_cpu_op)}
+
+
+def chosen_quantizer(device_name: str):
+    """(name, op) of the quantizer op DS_QGZ_QUANTIZER chooses on accelerator `device_name`; op None
+    where DeepSpeed's own is kept.
+
+    Raises:
+        ValueError: DS_QGZ_QUANTIZER holds something else than "triton" or "deepspeed".
+    """
+    chosen = os.environ.get(QUANTIZER_ENV, "").strip().lower() or "deepspeed"
+    if chosen not in ("triton", "deepspeed"):
+        raise ValueError(f"{QUANTIZER_ENV} must be 'triton' or 'deepspeed' (or unset), got "
+                         f"{os.environ[QUANTIZER_ENV]!r}")
+    if chosen == "triton":
+        return "triton", QUANTIZERS["triton"]
+    if device_name == "cpu":
+        return "cpu", QUANTIZERS["cpu"]
+    return "deepspeed", None
+
+
+def plug_in_quantizer(holder, attribute):
+    """DeepSpeed's quantizer op cache `holder.attribute`, unless something set it already, holds the
+    op chosen_quantizer names (left to DeepSpeed where it names none)."""
     from deepspeed.accelerator import get_accelerator
-    if get_accelerator().device_name() == "cpu" and getattr(holder, attribute) is None:
-        setattr(holder, attribute, _CPU_QUANTIZER)
+    _, op = chosen_quantizer(get_accelerator().device_name())
+    if op is not None and getattr(holder, attribute) is None:
+        setattr(holder, attribute, op)
 
 
-# What runs after a module is imported: the seam through which this package's CPU quantizer op
-# reaches DeepSpeed's code, qgZ's and qwZ's quantizer op caches.
+# What runs after a module is imported: the seam through which this package's quantizer ops reach
+# DeepSpeed's code, qgZ's and qwZ's quantizer op caches.
 AFTER_IMPORT = {
     "deepspeed.runtime.comm.coalesced_collectives":
-    lambda module: plug_in_cpu_quantizer(module, "quantizer_module"),
+    lambda module: plug_in_quantizer(module, "quantizer_module"),
     "deepspeed.runtime.zero.partition_parameters":
-    lambda module: plug_in_cpu_quantizer(module.CUDAQuantizer, "quantizer_cuda_module"),
+    lambda module: plug_in_quantizer(module.CUDAQuantizer, "quantizer_cuda_module"),
 }
 
 

@@ -3,7 +3,7 @@
 
 # DeepSpeed Team
 """This package's quantizer op for DeepSpeed's CPU accelerator, which has no QuantizerBuilder of its
-own. It reaches DeepSpeed's code through one seam (_finder.plug_in_cpu_quantizer): the quantizer op
+own. It reaches DeepSpeed's code through one seam (_finder.plug_in_quantizer): the quantizer op
 DeepSpeed caches on first use (qgZ's ``coalesced_collectives.quantizer_module``, qwZ's
 ``CUDAQuantizer.quantizer_cuda_module``), set on the CPU accelerator to this op, loaded (JIT-built the
 first time, about 40 s) on first use. DeepSpeed's own tests plug a quantizer into qgZ the same way

@@ -55,9 +55,12 @@ def test_status_cli(cpu_quantizer):
         assert f"edits    {path}" in out
     assert "coalesced_collectives patched: " in out and "deepspeed_qgz/tree" in out
     assert "NOT the module's function" not in out
-    assert "cpu quantizer op: quantizer_cpu builds and loads" in out
+    assert "quantizer op  cpu (DS_QGZ_QUANTIZER='', cpu accelerator): quantizer_cpu builds and loads" in out
+    triton = python(["-m", "deepspeed_qgz", "status"], DS_QGZ_QUANTIZER="triton", TRITON_INTERPRET="1")
+    assert "quantizer op  triton (DS_QGZ_QUANTIZER='triton', cpu accelerator): runs here" in triton
     off = python(["-m", "deepspeed_qgz", "status"], DS_QGZ_OVERLAY="0")
     assert "overlay       INACTIVE: switched off by DS_QGZ_OVERLAY=0" in off
+    assert "quantizer op  cpu (DS_QGZ_QUANTIZER='', cpu accelerator): not plugged in" in off
 
 
 def test_diff_cli_is_a_reviewable_patch():
@@ -102,7 +105,7 @@ def test_first_call_logs_overlay_version_once_on_rank_0():
             "for _ in range(2): stage3.reduce_scatter_coalesced([torch.ones(4)])\n")
     out = python(code, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     lines = [line for line in out.splitlines() if "qgZ overlay active" in line]
-    expected = f"deepspeed-qgz {deepspeed_qgz.__version__} on deepspeed 0.19.8"
+    expected = f"deepspeed-qgz {deepspeed_qgz.__version__} on deepspeed 0.19.8, quantizer op cpu"
     assert len(lines) == 1 and "[Rank 0]" in lines[0] and expected in lines[0]
 
 

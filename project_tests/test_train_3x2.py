@@ -3,7 +3,8 @@
 
 # DeepSpeed Team
 """The bug report's reproduction: its train.py and ds config (bf16 for fp16) on three torchrun
-agents x two processes on 127.0.0.1, with zero_quantized_gradients true and false."""
+agents x two processes on 127.0.0.1, with zero_quantized_gradients true and false, and true on this
+package's Triton quantizer op (DS_QGZ_QUANTIZER=triton, in Triton's interpreter)."""
 
 import importlib.util
 import math
@@ -24,6 +25,12 @@ def test_report_training_3_nodes_x_2(cpu_quantizer):
     steps = 10
     qgz_losses, qgz, output = runner.run(runner.HERE / "ds_config_qgz.json", steps)
     exact_losses, exact, _ = runner.run(runner.HERE / "ds_config_exact.json", steps)
+    triton_losses, triton, _ = runner.run(runner.HERE / "ds_config_qgz.json",
+                                          steps,
+                                          env={
+                                              "DS_QGZ_QUANTIZER": "triton",
+                                              "TRITON_INTERPRET": "1"
+                                          })
 
     assert "must match the size of tensor" not in output
     assert sorted(qgz_losses) == list(range(6))
@@ -42,3 +49,7 @@ def test_report_training_3_nodes_x_2(cpu_quantizer):
             assert abs(loss - ref) <= 0.02 * abs(ref), (rank, step, loss, ref)
     # quantization changed the gradients, a little
     assert 0 < runner.relative_difference(qgz["weights"], exact["weights"]) < 0.05
+    # the Triton op, plugged in through the seam, computes what the CPU op computes (both state the
+    # CUDA kernels), so the training is the same to the last bit
+    assert (qgz["quantizer"], triton["quantizer"]) == ("quantizer_cpu", "deepspeed_qgz.triton_quantizer")
+    assert triton_losses == qgz_losses and triton["weights"] == qgz["weights"]

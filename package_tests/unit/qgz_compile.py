@@ -2,9 +2,10 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Triton's compiler on the fused qgZ kernels (deepspeed_qgz/qgz/quantized_fused.py), without a
-GPU: the launches the launchers make, recorded on meta tensors; each specialized as Triton's runtime
-specializes it and compiled for an NVIDIA target; its PTX, cubin, resource usage and SASS.
+"""Triton's compiler on this package's Triton kernels, the quantizer op (deepspeed_qgz/triton_quantizer.py)
+and the fused qgZ kernels (deepspeed_qgz/qgz/quantized_fused.py), without a GPU: the launches the
+launchers make, recorded on meta tensors; each specialized as Triton's runtime specializes it and
+compiled for an NVIDIA target; its PTX, cubin, resource usage and SASS.
 
 Triton's interpreter never runs its compiler, so this must run in a process without
 TRITON_INTERPRET (test_quantized_fused_compile.py starts one):
@@ -17,6 +18,7 @@ division or transcendental, an FMA or a flush-to-zero instruction.
 """
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -33,7 +35,7 @@ import torch
 # The GPUs the kernels are for: sm_80 (A100), sm_89 (L40S, RTX 40xx), sm_90 (H100, H200).
 ARCHES = (80, 89, 90)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# What no kernel's PTX may hold (the module docstring of quantized_fused.py says why).
+# What no kernel's PTX may hold (the module docstrings of triton_quantizer.py and quantized_fused.py say why).
 PTX_FORBIDDEN = {
     "an approximate division or transcendental":
     re.compile(r"\b(div\.(approx|full)|(rcp|sqrt|rsqrt|ex2|lg2|sin|cos|"
@@ -67,7 +69,17 @@ def _rebuild_launch(name, grid, args, meta):
     args = tuple(
         torch.empty(a[2], dtype=getattr(torch, a[1].split(".")[-1]), device="meta"
                     ) if isinstance(a, tuple) and a[:1] == ("tensor", ) else a for a in args)
-    return Launch(getattr(fused_module(), name), grid, args, meta)
+    module = quantizer_module() if hasattr(quantizer_module(), name) else fused_module()
+    return Launch(getattr(module, name), grid, args, meta)
+
+
+def quantizer_module():
+    from deepspeed_qgz import triton_quantizer
+    if triton_quantizer.triton is None:
+        raise RuntimeError("Triton is not installed")
+    if triton_quantizer.unavailable_reason("cpu") is None:
+        raise RuntimeError("TRITON_INTERPRET=1 is set: Triton's compiler needs a process without it")
+    return triton_quantizer
 
 
 def fused_module():
@@ -104,9 +116,30 @@ def record_launches(layout, dtype: torch.dtype) -> List[Launch]:
     return launches
 
 
+def record_quantizer_launches(calls) -> List[Launch]:
+    """The launches the Triton quantizer op makes for `calls` ((op name, arguments) on meta tensors):
+    its launches recorded instead of made, and not checked against the reference."""
+    op = quantizer_module()
+    launches = []
+
+    def record(name, kernel, grid, args, meta, outputs, expected):
+        if grid > op.GRID_LIMIT:
+            raise ValueError(f"{kernel.fn.__name__}: {grid} programs exceed CUDA's grid limit {op.GRID_LIMIT}")
+        launches.append(Launch(kernel, (grid, ), tuple(args), dict(meta)))
+        return outputs
+
+    saved = op._checked_call, op._require_runnable
+    op._checked_call, op._require_runnable = record, lambda name, **tensors: None
+    try:
+        for name, args in calls:
+            getattr(op, name)(*args)
+    finally:
+        op._checked_call, op._require_runnable = saved
+    return launches
+
+
 def _options(launch: Launch) -> dict:
-    fused = fused_module()
-    return dict(launch.meta, num_warps=fused.NUM_WARPS, enable_fp_fusion=False)
+    return dict(launch.meta, num_warps=sys.modules[launch.kernel.fn.__module__].NUM_WARPS, enable_fp_fusion=False)
 
 
 def specialization(launch: Launch, arch: int):
@@ -282,6 +315,49 @@ def ci_launches(quick: bool = False):
                                 yield what, launch
 
 
+SERIES_EXCHANGE_VALUES = 2**27  # the series' quant_reduce_exchange_values: the values one exchange stages
+QWZ_GROUP_SIZES = (128, 2048, 4000, 8000, 16000)  # CUDAQuantizer's groups (qwZ) are at most 16000 values
+
+
+def quantizer_calls(quick: bool = False):
+    """(what, (op, arguments on meta tensors)) for the Triton quantizer op's calls CI compiles: the
+    calls the series' all_to_all_quant_reduce makes at each topology, group size and intra-node
+    precision, for one and three groups per rank and the largest exchange; qwZ's quantize and
+    dequantize."""
+
+    def meta(numel, dtype=torch.float16):
+        return torch.empty(numel, dtype=dtype, device="meta")
+
+    topologies = TOPOLOGIES[:3] if quick else TOPOLOGIES
+    sizes = GROUP_SIZES[:2] if quick else GROUP_SIZES
+    for num_nodes, local in topologies:
+        world = num_nodes * local
+        for group in sizes:
+            for bits in (4, 8):
+                for per_rank in (1, 3, max(1, SERIES_EXCHANGE_VALUES // (world * group))):
+                    what = f"{num_nodes}x{local}, {bits}/4, groups of {group}, {per_rank} per rank"
+                    node_groups = num_nodes * per_rank
+                    yield what, ("swizzle_quant", (meta(world * group * per_rank), world * per_rank, bits, 0, 1,
+                                                   num_nodes, local))
+                    if bits == 4:
+                        yield what, ("quantized_reduction", (meta(world * group * per_rank // 2,
+                                                                  torch.int8), meta(world * per_rank, torch.float32),
+                                                             world * per_rank, node_groups, 4, 0, local))
+                    else:
+                        yield what, ("dequantize", (meta(node_groups * group,
+                                                         torch.int8), meta(node_groups,
+                                                                           torch.float32), node_groups, 8, 0))
+                        yield what, ("swizzle_quant", (meta(node_groups * group), node_groups, 4, 0, 1, 1, 1))
+                    yield what, ("dequantize", (meta(node_groups * group // 2,
+                                                     torch.int8), meta(node_groups, torch.float32), node_groups, 4, 0))
+    for group in QWZ_GROUP_SIZES[:2] if quick else QWZ_GROUP_SIZES:
+        for groups in (16, 4096):
+            what = f"qwZ, groups of {group}, {groups} groups"
+            yield what, ("quantize", (meta(groups * group), groups, 8, 0))
+            for name in ("dequantize", "dequantize_fp32"):
+                yield what, (name, (meta(groups * group, torch.int8), meta(groups, torch.float32), groups, 8, 0))
+
+
 def _compile_variant(item):
     """Worker: compile one variant for one target; (key, problems, resources, seconds)."""
     key, launch, arch = item
@@ -302,7 +378,9 @@ def check(quick: bool = False, workers: int = 2) -> dict:
     and returns the report."""
     variants, seen_by, largest_grid = {}, {}, 0
     problems = []
-    for what, launch in ci_launches(quick):
+    quantizer_launches = ((what, launch) for what, call in quantizer_calls(quick)
+                          for launch in record_quantizer_launches([call]))
+    for what, launch in itertools.chain(ci_launches(quick), quantizer_launches):
         largest_grid = max(largest_grid, launch.grid[0])
         for arch in ARCHES:
             key = variant_key(launch, arch)

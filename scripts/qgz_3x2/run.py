@@ -5,7 +5,9 @@
 """Run the report's training on 3 nodes x 2 processes on this machine: three torchrun agents with
 a c10d rendezvous on 127.0.0.1, LOCAL_SIZE=2 so DeepSpeed's CPU accelerator sees two devices per
 node. With --compare, runs qgZ on and off, and prints the loss curves side by side and the bytes the
-gradient reduce-scatter's collectives took, as DeepSpeed's comms logger counts them."""
+gradient reduce-scatter's collectives took, as DeepSpeed's comms logger counts them. With --triton,
+runs qgZ on once more with this package's Triton quantizer op (DS_QGZ_QUANTIZER=triton, in Triton's
+interpreter on the CPU), and compares its losses and trained weights with the CPU op's, bit for bit."""
 
 import argparse
 import json
@@ -40,7 +42,7 @@ def build_ops():
         log(f"op build: done in {time.perf_counter() - start:.1f} s")
 
 
-def run(config, steps, label="", timeout=900):
+def run(config, steps, label="", timeout=900, env=None):
     """Returns ({rank: [loss per step]}, rank 0's report (its gradient collectives' calls and bytes
     under "collectives", the trained weights under "weights"), the agents' combined output)."""
     progress = Progress(steps, label) if label else None
@@ -59,6 +61,7 @@ def run(config, steps, label="", timeout=900):
                                     NODES,
                                     PROCS_PER_NODE,
                                     timeout=timeout,
+                                    env=env,
                                     on_output=on_output)
         reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(losses_dir).glob("rank*.json")}
     if sorted(reports) != list(range(NODES * PROCS_PER_NODE)):
@@ -82,16 +85,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compare", action="store_true", help="also run with zero_quantized_gradients: false")
+    parser.add_argument("--triton", action="store_true", help="also run qgZ on the Triton quantizer op")
     args = parser.parse_args()
 
     build_ops()
-    runs = 2 if args.compare else 1
+    runs = 1 + args.compare + args.triton
     log(f"run 1/{runs}: zero_quantized_gradients true, {NODES} torchrun agents x {PROCS_PER_NODE} processes")
     qgz_losses, qgz, _ = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ")
-    exact_losses = exact = None
+    exact_losses = exact = triton = None
     if args.compare:
         log(f"run 2/{runs}: zero_quantized_gradients false")
         exact_losses, exact, _ = run(HERE / "ds_config_exact.json", args.steps, "qgZ off")
+    if args.triton:
+        log(f"run {runs}/{runs}: zero_quantized_gradients true, the Triton quantizer op (DS_QGZ_QUANTIZER=triton) "
+            f"in Triton's interpreter")
+        triton_losses, triton, _ = run(HERE / "ds_config_qgz.json",
+                                       args.steps,
+                                       "Triton ",
+                                       env={
+                                           "DS_QGZ_QUANTIZER": "triton",
+                                           "TRITON_INTERPRET": "1"
+                                       })
     print(f"{NODES} nodes x {PROCS_PER_NODE} processes, ZeRO-3, bf16, {args.steps} steps; loss per step, the mean "
           f"over the {len(qgz_losses)} ranks")
     print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'difference':>11}" if exact_losses else ""))
@@ -116,7 +130,13 @@ def main():
         print(f"bytes handed to the gradient collectives per step, rank 0: qgZ on "
               f"{all_to_all['bytes'] / args.steps:.0f} (all-to-all), off {off / args.steps:.0f} (reduce-scatter)" +
               ratio)
-    return 0 if finite and all_to_all["calls"] > 0 and fallback == 0 else 1
+    same = True
+    if triton:
+        same = (triton["quantizer"] == "deepspeed_qgz.triton_quantizer" and triton_losses == qgz_losses
+                and triton["weights"] == qgz["weights"])
+        print(f"qgZ on the quantizer op of {triton['quantizer']} against {qgz['quantizer']}: losses and trained "
+              f"weights {'the same, bit for bit' if same else 'DIFFER'}")
+    return 0 if finite and all_to_all["calls"] > 0 and fallback == 0 and same else 1
 
 
 if __name__ == "__main__":

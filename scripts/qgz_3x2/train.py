@@ -88,8 +88,12 @@ def main():
         for kind, names in (("all_to_all", ("all_to_all_single", )), ("reduce_scatter", ("reduce_scatter_tensor",
                                                                                          "reduce_scatter")))
     }
+    # the quantizer op qgZ called (the module that defines it)
+    from deepspeed.runtime.comm import coalesced_collectives
+    quantizer = coalesced_collectives.quantizer_module
+    quantizer = None if quantizer is None else quantizer.swizzle_quant.__module__
     if args.loss_dir:
-        report = {"losses": losses, "collectives": collectives, "steps": len(losses)}
+        report = {"losses": losses, "collectives": collectives, "steps": len(losses), "quantizer": quantizer}
         if dist.get_rank() == 0:
             report["weights"] = {name: tensor.float().reshape(-1).tolist() for name, tensor in weights.items()}
         with open(os.path.join(args.loss_dir, f"rank{dist.get_rank()}.json"), "w") as f:

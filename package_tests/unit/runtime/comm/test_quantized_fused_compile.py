@@ -2,10 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The fused kernels (quantized_fused.py) as a GPU gets them, without a GPU: every distinct variant the
-launchers make, recorded over topologies from 1x2 and 2x1 to 7x1, 2x16 and 16x2, fp16, bf16 and fp32,
-both intra-node precisions, group sizes from 136 to 40960 and buckets up to DeepSpeed's default and
-the largest tensor the plan allows, compiled by Triton's compiler for sm_80, sm_89 and sm_90 (in a
+"""The Triton kernels as a GPU gets them, without a GPU: every distinct variant the launchers make,
+recorded for the fused kernels (quantized_fused.py) over topologies from 1x2 and 2x1 to 7x1, 2x16 and
+16x2, fp16, bf16 and fp32, both intra-node precisions, group sizes from 136 to 40960 and buckets up
+to DeepSpeed's default and the largest tensor the plan allows, and for the Triton quantizer op
+(triton_quantizer.py) over the calls the series' all_to_all_quant_reduce makes at the same
+topologies and group sizes, up to its largest exchange, and qwZ's, compiled by Triton's compiler for sm_80, sm_89 and sm_90 (in a
 process without TRITON_INTERPRET: unit/qgz_compile.py). A compile error, a grid beyond CUDA's
 limits, a register spill, or an approximate division, an FMA or a flush-to-zero instruction in the
 PTX fails it."""
@@ -37,7 +39,10 @@ def test_every_variant_compiles_for_every_target(tmp_path):
     report = json.loads(report_path.read_text())
     assert not report["problems"], "\n".join(report["problems"])
     compiled = {(entry["variant"].split()[0], entry["variant"].split()[1]) for entry in report["compiled"]}
-    kernels = {"_quantize_partitions_kernel", "_reduce_within_node_kernel", "_average_across_nodes_kernel"}
+    kernels = {
+        "_quantize_partitions_kernel", "_reduce_within_node_kernel", "_average_across_nodes_kernel",
+        "_quantize_kernel", "_quantized_reduction_kernel", "_dequantize_kernel"
+    }
     assert compiled == {(kernel, f"sm_{arch}") for kernel in kernels for arch in qgz_compile.ARCHES}
     from deepspeed_qgz.qgz.quantized_fused import GRID_LIMITS
     assert 0 < report["largest_grid"] <= GRID_LIMITS[0]

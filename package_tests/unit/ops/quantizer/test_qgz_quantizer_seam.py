@@ -2,11 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The CPU quantizer op reaches DeepSpeed's code through one seam, the quantizer op DeepSpeed caches
-on first use: on the CPU accelerator, qgZ's coalesced_collectives.quantizer_module and qwZ's
-CUDAQuantizer.quantizer_cuda_module are this package's op, loaded when first used; DeepSpeed's own
-op registry is left as it is."""
+"""This package's quantizer ops reach DeepSpeed's code through one seam, the quantizer op DeepSpeed
+caches on first use (qgZ's coalesced_collectives.quantizer_module, qwZ's
+CUDAQuantizer.quantizer_cuda_module): on the CPU accelerator its CPU op, with DS_QGZ_QUANTIZER=triton
+its Triton op, each loaded when first used; DeepSpeed's own op registry is left as it is."""
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,21 +33,59 @@ print("registry", type(get_accelerator().create_op_builder("QuantizerBuilder")).
 """
 
 
-def run(code):
+def run(code, quantizer=None, check=True):
+    env = {key: value for key, value in os.environ.items() if key != "DS_QGZ_QUANTIZER"}
+    if quantizer is not None:
+        env["DS_QGZ_QUANTIZER"] = quantizer
     with tempfile.TemporaryDirectory() as cwd:
-        result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600)
+        result = subprocess.run([sys.executable, "-c", code],
+                                cwd=cwd,
+                                env=env,
+                                capture_output=True,
+                                text=True,
+                                timeout=600)
+    if not check:
+        return result
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return result.stdout.splitlines()
 
 
-def test_qgz_and_qwz_take_the_cpu_op_on_first_use():
+@pytest.mark.parametrize("quantizer", [None, "deepspeed", " DeepSpeed "])
+def test_qgz_and_qwz_take_the_cpu_op_on_first_use(quantizer):
     # a fresh interpreter: the caches are set when DeepSpeed's modules are first imported
-    lines = run(PROBE)
+    lines = run(PROBE, quantizer)
     assert "same True" in lines
     assert "loaded before use []" in lines
     assert "Symmetric True" in lines
     assert "loaded after use ['quantizer_cpu']" in lines
     assert "registry NotImplementedBuilder" in lines
+
+
+TRITON_PROBE = """
+from deepspeed.ops.op_builder import OpBuilder
+from deepspeed.runtime.comm import coalesced_collectives
+from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
+qgz, qwz = coalesced_collectives.quantizer_module, CUDAQuantizer.quantizer_cuda_module
+print("same", qgz is qwz)
+print("Symmetric", qgz.Symmetric)
+print("swizzle_quant from", qgz.swizzle_quant.__module__)
+print("quantize from", qwz.quantize.__module__)
+print("loaded ops", sorted(name for name in OpBuilder._loaded_ops if name.startswith("quantizer")))
+"""
+
+
+def test_ds_qgz_quantizer_triton_plugs_in_the_triton_op():
+    lines = [line for line in run(TRITON_PROBE, "triton") if not line.startswith("[")]  # DeepSpeed's log lines
+    assert lines == [
+        "same True", "Symmetric 0", "swizzle_quant from deepspeed_qgz.triton_quantizer",
+        "quantize from deepspeed_qgz.triton_quantizer", "loaded ops []"
+    ]
+
+
+def test_any_other_choice_is_refused_naming_it():
+    result = run("import deepspeed.runtime.comm.coalesced_collectives", "trition", check=False)
+    assert result.returncode != 0
+    assert "DS_QGZ_QUANTIZER must be 'triton' or 'deepspeed' (or unset), got 'trition'" in result.stderr
 
 
 def test_a_quantizer_set_before_first_use_is_kept():
@@ -56,8 +95,8 @@ def test_a_quantizer_set_before_first_use_is_kept():
     from deepspeed.ops.op_builder.npu.quantizer import NPUQuantizer
     saved, coalesced_collectives.quantizer_module = coalesced_collectives.quantizer_module, NPUQuantizer
     try:
-        from deepspeed_qgz._finder import plug_in_cpu_quantizer
-        plug_in_cpu_quantizer(coalesced_collectives, "quantizer_module")
+        from deepspeed_qgz._finder import plug_in_quantizer
+        plug_in_quantizer(coalesced_collectives, "quantizer_module")
         assert coalesced_collectives.quantizer_module is NPUQuantizer
     finally:
         coalesced_collectives.quantizer_module = saved

@@ -1,0 +1,223 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""This package's Triton quantizer op (deepspeed_qgz/triton_quantizer.py), in Triton's interpreter:
+bit for bit the PyTorch statement of the CUDA kernels (deepspeed_qgz/qgz/qgz_reference.py) on every
+call the kernels' contract allows, refusing the others; every output byte written; its self-check;
+and the series' all_to_all_quant_reduce on it equal to the series on the CPU op. (Triton's compiler
+on its kernels: test_quantized_fused_compile.py.)"""
+
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+import deepspeed.comm as dist
+from deepspeed_qgz import triton_quantizer as tq
+from deepspeed_qgz.qgz import qgz_reference as ref
+
+from unit.common import DistributedTest
+from unit.qgz_util import cluster_inputs, device, quantizer, same_values, simulated_nodes
+
+pytestmark = pytest.mark.skipif(tq.triton is None or tq.unavailable_reason("cpu") is not None,
+                                reason="runs the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1)")
+
+SPECIALS = [0.0, -0.0, 65504.0, -65504.0, 6e-8, -6e-8, 1e-4, float("inf"), float("-inf"), float("nan")]
+
+
+@st.composite
+def layouts(draw):
+    """A swizzle_quant call's sizes: nodes up to 15, groups of 8 values to 40960 (over TILE: in
+    steps), and the values, with the specials and whole groups of one of them."""
+    num_nodes, local_size = draw(st.integers(1, 15)), draw(st.integers(1, 4))
+    pipeline = draw(st.sampled_from([1, 2]))
+    groups = num_nodes * local_size * pipeline * draw(st.integers(1, 2))
+    elems = 8 * draw(st.one_of(st.integers(1, 160), st.sampled_from([511, 512, 513, 1024, 5120])))
+    assume(groups * elems <= 2**20)
+    seed = draw(st.integers(0, 2**31))
+    magnitude = draw(st.sampled_from([1e-6, 1e-2, 1.0, 300.0, 30000.0]))
+    x = (torch.randn(groups * elems, generator=torch.Generator().manual_seed(seed)) * magnitude).clamp(-65504, 65504)
+    for _ in range(draw(st.integers(0, 6))):
+        x[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from(SPECIALS))
+    if draw(st.booleans()):
+        start = draw(st.integers(0, groups - 1)) * elems
+        x[start:start + elems] = draw(st.sampled_from(SPECIALS + [2.5, -3.0]))
+    return x.half(), groups, draw(st.sampled_from([4, 8])), pipeline, num_nodes, local_size
+
+
+def same(got, want):
+    """The same shape and dtype, and bit for bit the same values (NaN payloads apart)."""
+    return all(g.shape == w.shape and g.dtype == w.dtype and bool(same_values(g, w).all()) for g, w in zip(got, want))
+
+
+def check_call(name, *args):
+    """The Triton op's `name` on `args` against the reference's: the same results, or, for a call
+    outside the contract, the same refusal."""
+    try:
+        want = getattr(ref, name)(*args)
+    except ValueError as refusal:
+        with pytest.raises(ValueError, match="outside the quantizer kernels' contract") as raised:
+            getattr(tq, name)(*args)
+        assert str(raised.value) == str(refusal)
+        return None
+    got = getattr(tq, name)(*args)
+    want = want if isinstance(want, tuple) else (want, )
+    assert same(got if isinstance(got, tuple) else (got, ), want), name
+    return want
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=layouts(), out_split=st.sampled_from([1, 2]))
+def test_ops_match_reference_bit_for_bit(layout, out_split):
+    x, groups, bits, pipeline, num_nodes, local_size = layout
+    codes, scales = check_call("swizzle_quant", x, groups, bits, tq.Symmetric, pipeline, num_nodes, local_size)
+    check_call("dequantize", codes, scales, groups, bits, tq.Symmetric)
+    check_call("dequantize_fp32", codes, scales, groups, bits, tq.Symmetric)
+    # the node's copies as qgZ hands them over, requantized in groups of the same or twice the size
+    reduced = check_call("quantized_reduction", codes, scales, groups, groups // local_size // out_split, bits,
+                         tq.Symmetric, local_size)
+    if reduced is not None:
+        check_call("dequantize", reduced[0], reduced[1], reduced[1].numel(), bits, tq.Symmetric)
+
+
+@pytest.mark.parametrize("elems, groups", [(128, 256), (512, 64), (2048, 8), (4104, 4), (8000, 3), (16384, 2)])
+def test_quantize_matches_reference_bit_for_bit(elems, groups):
+    """qwZ's quantize, in groups of any size the kernel takes (DeepSpeed's CUDAQuantizer makes groups of
+    up to 16000 values)."""
+    x = (torch.randn(4, groups * elems // 4, generator=torch.Generator().manual_seed(elems)) * 7).half()
+    x.view(-1)[::97] = float("nan")
+    x.view(-1)[5] = float("-inf")
+    codes, scales = check_call("quantize", x, groups, 8, tq.Symmetric)
+    check_call("dequantize", codes.view(-1), scales, groups, 8, tq.Symmetric)
+
+
+def test_every_output_byte_is_written(monkeypatch):
+    """Outputs allocated full of either of two poisons come back the reference's."""
+    x = (torch.randn(6 * 2 * 4104) * 3).half()
+    calls = [
+        ("swizzle_quant", lambda: (x, 12, 4, tq.Symmetric, 1, 3, 2)),
+        ("swizzle_quant", lambda: (x[:6 * 136], 6, 8, tq.Symmetric, 1, 3, 2)),
+        ("quantized_reduction", lambda: (*ref.swizzle_quant(x, 12, 4, 0, 1, 1, 2), 12, 6, 4, tq.Symmetric, 2)),
+        ("quantize", lambda: (x.view(12, 4104), 12, 8, tq.Symmetric)),
+        ("dequantize", lambda: (*ref.swizzle_quant(x, 12, 4, 0, 1, 1, 1), 12, 4, tq.Symmetric)),
+        ("dequantize_fp32", lambda: (*ref.swizzle_quant(x[:1000], 125, 8, 0, 1, 1, 1), 125, 8, tq.Symmetric)),
+    ]
+    empty = torch.empty
+    for name, arguments in calls:
+        args = arguments()
+        want = getattr(ref, name)(*args)
+        want = want if isinstance(want, tuple) else (want, )
+        for poison in (0x5A, 0xA5):
+
+            def poisoned(*size, **kwargs):
+                out = empty(*size, **kwargs)
+                out.view(torch.uint8).fill_(poison)
+                return out
+
+            monkeypatch.setattr(torch, "empty", poisoned)
+            got = getattr(tq, name)(*args)
+            monkeypatch.setattr(torch, "empty", empty)
+            assert same(got if isinstance(got, tuple) else (got, ), want), (name, hex(poison))
+
+
+SELF_CHECK = """
+import torch
+from deepspeed_qgz import triton_quantizer as tq
+from deepspeed_qgz.qgz import qgz_reference as ref
+x = (torch.randn(6 * 136) * 3).half()
+right = ref.swizzle_quant
+def wrong(*args):
+    codes, scales = right(*args)
+    return codes, scales * 2
+ref.swizzle_quant = wrong
+for attempt in range(2):
+    try:
+        tq.swizzle_quant(x, 6, 4, 0, 1, 3, 2)
+        print("ran")
+    except RuntimeError as error:
+        print("refused", error)
+ref.swizzle_quant = right
+tq.swizzle_quant(x, 6, 4, 0, 1, 3, 2)
+print("ran after the reference was mended")
+ref.swizzle_quant = wrong
+tq.swizzle_quant(x, 6, 4, 0, 1, 3, 2)
+print("checked variant ran without the reference")
+try:
+    tq.swizzle_quant(torch.cat([x] * 32), 6, 4, 0, 1, 3, 2)
+except RuntimeError as error:
+    print("another variant refused")
+"""
+
+
+def test_the_first_call_of_each_variant_is_checked_against_the_reference():
+    """A kernel whose bits differ from the reference's is refused, on every call until a call of its
+    variant agrees; a variant checked once runs alone; another variant is checked again."""
+    with tempfile.TemporaryDirectory() as cwd:
+        result = subprocess.run([sys.executable, "-c", SELF_CHECK],
+                                cwd=cwd,
+                                capture_output=True,
+                                text=True,
+                                timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 5, lines
+    for line in lines[:2]:
+        assert line.startswith("refused swizzle_quant: the Triton kernel's results differ from the reference's")
+        assert "value 0 of 6" in line and "DS_QGZ_QUANTIZER" in line
+    assert lines[2:] == [
+        "ran after the reference was mended", "checked variant ran without the reference", "another variant refused"
+    ]
+
+
+def test_refusals_name_the_values():
+    x = torch.zeros(6 * 136, dtype=torch.half)
+    with pytest.raises(ValueError, match="symmetrically only .* got quant_type 1"):
+        tq.swizzle_quant(x, 6, 4, tq.Asymmetric, 1, 3, 2)
+    with pytest.raises(ValueError, match="num_groups 6 is not divisible by num_nodes x local_world_size = 2 x 2 = 4"):
+        tq.swizzle_quant(x, 6, 4, tq.Symmetric, 1, 2, 2)
+    with pytest.raises(ValueError, match="input must be torch.float16 .* got torch.float32"):
+        tq.swizzle_quant(x.float(), 6, 4, tq.Symmetric, 1, 3, 2)
+    with pytest.raises(ValueError, match=r"data must be contiguous, got shape \(2, 16\)"):
+        tq.dequantize(torch.zeros(16, 2, dtype=torch.int8).t(), torch.ones(8), 8, 4, tq.Symmetric)
+    assert "not on xpu" in tq.unavailable_reason("xpu")
+
+
+class TestSeriesOnTritonOp(DistributedTest):
+    """The series' all_to_all_quant_reduce with the Triton op as its quantizer gives, on every rank,
+    bit for bit what it gives with the CPU op (both state the CUDA kernels), for the report's
+    3 nodes x 2 and for 2 x 3."""
+    world_size = 6
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("intra_node_bits", [4, 8])
+    @pytest.mark.parametrize("local_size", [2, 3])
+    def test_same_results_as_the_cpu_op(self, local_size, intra_node_bits):
+        from deepspeed.runtime.comm import coalesced_collectives
+        shapes = [(3141, 48), (32, 32), (2, 2, 60000), (7, 7), (171, )]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        inputs = {
+            dtype: [t.to(device()) for t in cluster_inputs(shapes, world, dtype, seed=local_size)[rank]]
+            for dtype in (torch.float16, torch.bfloat16)
+        }
+        inputs[torch.float16][1].view(-1)[rank] = float("inf") if rank == 1 else 0.0
+        saved = coalesced_collectives.quantizer_module
+        results = {}
+        try:
+            with simulated_nodes(local_size) as groups:
+                for name, op in (("triton", tq), ("cpu", quantizer().ops)):
+                    coalesced_collectives.quantizer_module = op
+                    results[name] = [
+                        coalesced_collectives.all_to_all_quant_reduce(tensors, groups, intra_node_bits)
+                        for tensors in inputs.values()
+                    ]
+        finally:
+            coalesced_collectives.quantizer_module = saved
+        for triton_outputs, cpu_outputs in zip(results["triton"], results["cpu"]):
+            for got, want in zip(triton_outputs, cpu_outputs):
+                assert got.shape == want.shape and got.dtype == want.dtype
+                assert bool(same_values(got, want).all())
+        assert results["triton"][0][1].isnan().all(), "an inf on one rank is NaN in every partition"
