@@ -2,11 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""A static roofline of the fused qgZ kernels (deepspeed_qgz/qgz/quantized_fused.py), read off
-the machine code Triton's compiler makes for each GPU, without a GPU.
+"""A static roofline of this package's Triton quantizer op (deepspeed_qgz/triton_quantizer.py) as the
+series' all_to_all_quant_reduce calls it, read off the machine code Triton's compiler makes for each
+GPU, without a GPU.
 
-For each stage, dtype, intra-node precision, group size and topology: the launch the launcher makes
-for one bucket (recorded on meta tensors), compiled for the GPU's architecture; its SASS, with every
+For each kernel call of one exchange, intra-node precision, group size and topology: the launch the
+op makes for the exchange of one LLaMA-2-7B layer's gradients (recorded on meta tensors), compiled
+for the GPU's architecture; its SASS, with every
 instruction weighted by how often a program runs it (the loop bodies by their trip counts, read
 from the ``# trips:`` note on (or above) each loop of the kernel source and the loop's induction step in the
 SASS, so that a loop ptxas unrolled counts once per source iteration; the slow path of a division,
@@ -29,13 +31,12 @@ rate; global memory against HBM bandwidth. GPUs (NVIDIA's data sheets): A100 SXM
 SMs, 1410 MHz boost, 2039 GB/s), H100 SXM5 (sm_90, 132 SMs, 1980 MHz, 3350 GB/s), H200 SXM (sm_90, 132
 SMs, 1980 MHz, 4800 GB/s), L40S (sm_89, 142 SMs, 2520 MHz, 864 GB/s).
 
-What it leaves out: latencies and occupancy (the kernels use up to 168 registers a thread: 3 programs
-of 128 threads per SM), shared-memory bank conflicts, cache effects, the load-store unit's own rate
+What it leaves out: latencies and occupancy (see the registers column), shared-memory bank conflicts, cache effects, the load-store unit's own rate
 (not in the table), the tail of a launch. A ceiling is what the instruction mix allows, not a
 measured speed; scripts/gpu_check.sh measures each kernel's GB/s beside it.
 
     python benchmarks/qgz_roofline.py [--out DIR] [--quick]
-    python benchmarks/qgz_roofline.py --case GPU NODESxGPUS DTYPE BITS --case-out FILE   # one case's 3 stages (JSON)
+    python benchmarks/qgz_roofline.py --case GPU NODESxGPUS BITS GROUP --case-out FILE   # one case's calls (JSON)
 
 Needs Triton and torch (CPU is enough); runs Triton's compiler, so TRITON_INTERPRET must be unset.
 """
@@ -60,7 +61,7 @@ GPUS = {
     "H200": dict(arch=90, sms=132, clock=1.98e9, hbm=4800e9),
     "L40S": dict(arch=89, sms=142, clock=2.52e9, hbm=864e9),
 }
-# The issue's targets: each stage's ceiling at least this share of HBM bandwidth.
+# The targets: each kernel's ceiling at least this share of HBM bandwidth.
 TARGETS = {"A100": 80, "H100": 80, "H200": 70, "L40S": 60}
 ISSUE_PER_CLOCK = 4 * 32  # thread instructions: 4 warp instructions per SM and clock
 # Thread instructions per SM and clock, by class and architecture (see the module docstring; an
@@ -381,13 +382,40 @@ def loop_weights(dis, path, arguments):
 # the model
 # --------------------------------------------------------------------------------------------------
 
-STAGES = ("quantize_partitions", "reduce_within_node", "average_across_nodes")
 BUCKET = ((4096, 4096), ) * 4 + ((11008, 4096), ) * 2 + ((4096, 11008), )  # one LLaMA-2-7B layer's weights
 
 
+def series_calls(group: int, topology, bits: int):
+    """(name, launches of it, op, arguments on meta tensors) of every quantizer call the series'
+    all_to_all_quant_reduce makes for BUCKET in groups of `group` values, as one exchange: each
+    tensor's partitions padded to whole groups."""
+    import torch
+    num_nodes, local = topology
+    world = num_nodes * local
+    values = world * group * sum(-(-math.prod(shape) // (world * group)) for shape in BUCKET)
+    groups, node_groups = values // group, values // group // local
+
+    def meta(numel, dtype=torch.float16):
+        return torch.empty(numel, dtype=dtype, device="meta")
+
+    calls = [("swizzle_quant", 1, "swizzle_quant", (meta(values), groups, bits, 0, 1, num_nodes, local))]
+    if bits == 4:
+        calls.append(("quantized_reduction", 1, "quantized_reduction",
+                      (meta(values // 2, torch.int8), meta(groups, torch.float32), groups, node_groups, 4, 0, local)))
+    else:
+        calls.append(("dequantize (a copy, 8 bits)", local, "dequantize", (meta(values // local, torch.int8),
+                                                                           meta(node_groups,
+                                                                                torch.float32), node_groups, 8, 0)))
+        calls.append(
+            ("swizzle_quant (node sums)", 1, "swizzle_quant", (meta(values // local), node_groups, 4, 0, 1, 1, 1)))
+    calls.append(("dequantize", 1, "dequantize", (meta(values // local // 2,
+                                                       torch.int8), meta(node_groups,
+                                                                         torch.float32), node_groups, 4, 0)))
+    return values, calls
+
+
 def launch_bytes(launch) -> float:
-    """Bytes of global memory the launch reads and writes: every tensor argument once, and the
-    gradients stage 0 reads through its address table (the layout's elements)."""
+    """Bytes of global memory the launch reads and writes: every tensor argument once."""
     import torch
     return sum(a.numel() * a.element_size() for a in launch.args if isinstance(a, torch.Tensor))
 
@@ -402,22 +430,20 @@ def gpu_for(name: str, capability) -> str:
     return next((gpu for gpu, spec in GPUS.items() if spec["arch"] == arch), "H100")
 
 
-def analyse(stage: int, dtype_name: str, bits: int, group_size: int, topology, gpu: str):
-    """One row: the launch's instruction mix per gradient value and the ceilings on `gpu`."""
+def analyse(call: int, bits: int, group: int, topology, gpu: str):
+    """One row: call number `call` of series_calls, its instruction mix per gradient value of the
+    exchange and the ceilings on `gpu`."""
     from unit import qgz_compile
-    from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout
-    num_nodes, local = topology
-    layout = quantized_reduce_layout(tuple(math.prod(s) for s in BUCKET), num_nodes, local, group_size, bits)
-    dtype = qgz_compile.DTYPES[dtype_name]
-    launch = qgz_compile.record_launches(layout, dtype)[stage]
+    values, calls = series_calls(group, topology, bits)
+    name, launches, op, args = calls[call]
+    (launch, ) = qgz_compile.record_quantizer_launches([(op, args)])
     spec = GPUS[gpu]
     compiled = compiled_kernel(launch, spec["arch"])
     arguments = {k: v for k, v in qgz_compile.bound_arguments(launch).items() if not hasattr(v, "dtype")}
     ins, weights = loop_weights(qgz_compile.disassemble(compiled.asm["cubin"]), launch.kernel.fn.__code__.co_filename,
                                 arguments)
-    threads = launch.meta.get("num_warps", 4) * 32
-    values = layout.world_size * layout.padded_partition
-    per_value = threads * launch.grid[0] / values  # thread instructions per program instruction, per value
+    threads = sys.modules[launch.kernel.fn.__module__].NUM_WARPS * 32
+    per_value = launches * threads * launch.grid[0] / values  # thread instructions per program instruction, per value
     mix, issue = Counter(), 0.0
     for instruction, weight in zip(ins, weights):
         if instruction.opcode.startswith("NOP"):
@@ -427,10 +453,7 @@ def analyse(stage: int, dtype_name: str, bits: int, group_size: int, topology, g
         if cls is not None:
             amount = weight * per_value * (shared_words(instruction.opcode) if cls.startswith("shared") else 1)
             mix[cls] += amount
-    memory_bytes = launch_bytes(launch)
-    if stage == 0:
-        memory_bytes += sum(t.numel for t in layout.tensors) * dtype.itemsize
-    bytes_per_value = memory_bytes / values
+    bytes_per_value = launches * launch_bytes(launch) / values
     bytes_per_clock = spec["hbm"] / (spec["sms"] * spec["clock"])
     memory_time = bytes_per_value / bytes_per_clock
     times = {cls: amount / RATES[cls][spec["arch"]] for cls, amount in mix.items()}
@@ -442,12 +465,10 @@ def analyse(stage: int, dtype_name: str, bits: int, group_size: int, topology, g
         summary[summary_class(cls)] += amount / (shared_words_average(ins, weights) if cls.startswith("shared") else 1)
     summary["other"] += issue - sum(summary.values())
     return {
-        "stage": STAGES[stage],
-        "dtype": dtype_name,
+        "call": name,
         "bits": bits,
-        "group_size": group_size,
-        "group_elems": layout.group_elems,
-        "topology": f"{num_nodes}x{local}",
+        "group_elems": group,
+        "topology": "x".join(str(n) for n in topology),
         "gpu": gpu,
         "instructions_per_value": issue,
         "mix": {
@@ -475,23 +496,18 @@ def compiled_kernel(launch, arch):
 
 def rows(quick: bool = False):
     topologies = [(2, 8)] if quick else [(2, 8), (3, 8)]
-    dtypes = ["bf16"] if quick else ["fp16", "bf16"]
-    cases = [(stage, dtype, bits, group, topology) for stage in range(3) for dtype in dtypes for bits in (4, 8)
-             for group in (136, 1024) for topology in topologies if not (stage == 1 and dtype != dtypes[0])]
-    # stage 2 (whose launch does not depend on the intra-node precision) where it differs: at 4 nodes,
-    # past NARROW_SUM_NODES, bf16 sums in int64 as fp16 does; groups of at most 40960, which the
-    # bucket's layout makes longer than a program (steps of 4096 values, the last one partial)
-    cases += [(2, dtype, 8, group, (4, 8)) for dtype in dtypes for group in (136, 1024)]
-    cases += [(2, dtype, 8, 40960, topology) for dtype in dtypes for topology in topologies]
+    # groups of 136 (the smallest), 4096 (the series' own for this layer) and 40960 (the largest:
+    # longer than a program, in steps of 4096 values)
+    cases = [(call, bits, group, topology) for bits in (4, 8) for group in (136, 4096, 40960)
+             for topology in topologies for call in range(len(series_calls(group, topology, bits)[1]))]
     out = []
     start = time.time()
-    for k, (stage, dtype, bits, group, topology) in enumerate(cases):
+    for k, (call, bits, group, topology) in enumerate(cases):
         for gpu in GPUS:
             try:
-                out.append(analyse(stage, dtype, bits, group, topology, gpu))
+                out.append(analyse(call, bits, group, topology, gpu))
             except Exception as exc:
-                raise RuntimeError(f"{STAGES[stage]}, {dtype}, {bits}/4, groups of at most {group}, {topology}, "
-                                   f"{gpu}: {exc}") from exc
+                raise RuntimeError(f"call {call}, {bits}/4, groups of {group}, {topology}, {gpu}: {exc}") from exc
         if (k + 1) % 4 == 0 or k + 1 == len(cases):
             print(f"[{time.strftime('%H:%M:%S')}] roofline: {k + 1}/{len(cases)} cases ({time.time() - start:.0f} s)",
                   file=sys.stderr,
@@ -500,15 +516,13 @@ def rows(quick: bool = False):
 
 
 def table(results) -> str:
-    head = ("| stage | dtype | bits | groups of | topology | GPU | thread instructions / value | " +
+    head = ("| call | bits | groups of | topology | GPU | thread instructions / value | " +
             " | ".join(SUMMARY_CLASSES) + " | bytes / value | registers | ceiling, % of HBM | bound by |")
-    lines = [head, "|" + "---|" * 6 + "---:|" * (len(SUMMARY_CLASSES) + 4) + "---|"]
+    lines = [head, "|" + "---|" * 5 + "---:|" * (len(SUMMARY_CLASSES) + 4) + "---|"]
     for r in results:
-        stage = r["stage"] + (" (the node's copies: dtype-independent)" if r["stage"] == STAGES[1] else "")
         lines.append(
-            f"| {stage} | {r['dtype'] if r['stage'] != STAGES[1] else '-'} | {r['bits']}/4 | "
-            f"{r['group_elems']} | {r['topology']} | {r['gpu']} | {r['instructions_per_value']:.1f} | " +
-            " | ".join(f"{r['mix'][c]:.1f}" for c in SUMMARY_CLASSES) +
+            f"| {r['call']} | {r['bits']}/4 | {r['group_elems']} | {r['topology']} | {r['gpu']} | "
+            f"{r['instructions_per_value']:.1f} | " + " | ".join(f"{r['mix'][c]:.1f}" for c in SUMMARY_CLASSES) +
             f" | {r['bytes_per_value']:.2f} | {r['registers']} | {r['ceiling_percent']:.0f} | {r['bound_by']} |")
     return "\n".join(lines)
 
@@ -517,30 +531,30 @@ def lowest_lines(results):
     lines = []
     for gpu in GPUS:
         worst = min((r for r in results if r["gpu"] == gpu), key=lambda r: r["ceiling_percent"])
-        dtype = worst["dtype"] if worst["stage"] != STAGES[1] else "any dtype"
-        lines.append(f"lowest ceiling on {gpu}: {worst['ceiling_percent']:.0f}% ({worst['stage']}, {dtype}, "
-                     f"{worst['bits']}/4, groups of {worst['group_elems']}, {worst['topology']}, bound by "
-                     f"{worst['bound_by']}); target {TARGETS[gpu]}%")
+        lines.append(f"lowest ceiling on {gpu}: {worst['ceiling_percent']:.0f}% ({worst['call']}, {worst['bits']}/4, "
+                     f"groups of {worst['group_elems']}, {worst['topology']}, bound by {worst['bound_by']}); target "
+                     f"{TARGETS[gpu]}%")
     return lines
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="directory for qgz_roofline.md and qgz_roofline.json")
-    parser.add_argument("--quick", action="store_true", help="bf16, 2x8 only")
+    parser.add_argument("--quick", action="store_true", help="2x8 only")
     parser.add_argument("--case",
                         nargs=4,
-                        metavar=("GPU", "TOPOLOGY", "DTYPE", "BITS"),
-                        help="only this case's three stages, groups of 136 (e.g. H200 3x2 bf16 8)")
+                        metavar=("GPU", "TOPOLOGY", "BITS", "GROUP"),
+                        help="only this case's calls (e.g. H200 3x2 8 136)")
     parser.add_argument("--case-out", help="with --case: the JSON file the rows go to")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: the roofline runs Triton's compiler", file=sys.stderr)
         return 2
     if args.case:
-        gpu, topology, dtype, bits = args.case
+        gpu, topology, bits, group = args.case
         topology = tuple(int(n) for n in topology.split("x"))
-        rows_ = [analyse(stage, dtype, int(bits), 136, topology, gpu) for stage in range(3)]
+        calls = range(len(series_calls(int(group), topology, int(bits))[1]))
+        rows_ = [analyse(call, int(bits), int(group), topology, gpu) for call in calls]
         Path(args.case_out).write_text(json.dumps(rows_))
         return 0
     results = rows(args.quick)

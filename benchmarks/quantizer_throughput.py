@@ -4,10 +4,11 @@
 # DeepSpeed Team
 """Throughput of the CPU quantizer op against the PyTorch reference and a plain copy of the same
 bytes, measured side by side in one run. GB/s are of fp16 values (2 bytes each) entering the op
-(quantize, swizzle_quant, quantized_reduction) or leaving it (dequantize). The gradients' kernels on
-the int4 layout of a 3 x 2 call at the default group size; quantize on the weights' groups.
+(quantize, swizzle_quant, quantized_reduction) or leaving it (dequantize). The gradients' kernels as the
+series' all_to_all_quant_reduce calls them at 3 x 2 on one tensor, in groups of 4096 values (its rule
+for a 4096 x 4096 weight); quantize on the weights' groups.
 
-    python benchmarks/quantizer_throughput.py [--elems 16777216] [--nodes 3 --devices 2]
+    python benchmarks/quantizer_throughput.py [--elems 16777216] [--group-size 4096] [--nodes 3 --devices 2]
 """
 
 import argparse
@@ -19,7 +20,6 @@ import torch
 from deepspeed_qgz import cpu_quantizer
 from deepspeed_qgz.qgz import qgz_reference as ref
 from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
-from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout, resolve_group_size
 from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
 
 # qwZ's weights: int8, in groups of up to CUDAQuantizer's target size
@@ -39,6 +39,7 @@ def median_seconds(fn, repeats):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elems", type=int, default=16 * 2**20)
+    parser.add_argument("--group-size", type=int, default=4096)
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
@@ -51,9 +52,9 @@ def main():
 
     nodes, devices = args.nodes, args.devices
     world = nodes * devices
-    layout = quantized_reduce_layout((args.elems, ), nodes, devices, resolve_group_size(), 4)
-    numel = world * layout.intra.slot_elems
-    groups = world * layout.intra.slot_groups
+    group_size = args.group_size
+    groups = world * -(-args.elems // (world * group_size))  # whole groups in every rank's padded partition
+    numel = groups * group_size
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).half()
     data, scales = op.swizzle_quant(x, groups, 4, op.Symmetric, 1, nodes, devices)
     reduced, reduced_scales = op.quantized_reduction(data, scales, groups, groups // devices, 4, op.Symmetric, devices)
@@ -75,7 +76,7 @@ def main():
     ]
     print(f"CPU quantizer op: JIT build + load {load_s:.1f} s; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.elems} elements at {nodes}x{devices} "
-          f"(padded {numel}, {layout.group_elems} per group)")
+          f"(padded {numel}, {group_size} per group)")
     print(f"{'op':<20} {'C++ GB/s':>9} {'ref GB/s':>9} {'copy GB/s':>10} {'C++/ref':>8} {'copy/C++':>9}")
     for name, fp16_values, call in cases:
         nbytes = 2 * fp16_values

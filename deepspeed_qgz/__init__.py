@@ -19,7 +19,7 @@ deepspeed-qgz`` restores it completely.
 ``DS_QGZ_QUANTIZER=triton`` makes qgZ and qwZ call the Triton kernels.
 """
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 # The DeepSpeed releases this patch was tested on; elsewhere upstream is kept, with a warning.
 SUPPORTED_DEEPSPEED = ("0.19.8", )

@@ -24,7 +24,8 @@ power of two at least the group, ``ROWS * BLOCK = TILE``, 16 values a thread) an
 statistics, or loads its parameter, once; a group of more than ``TILE`` values takes one program,
 which reads it in steps of ``TILE`` values twice, once for its statistics and once to quantize it
 (quantized_reduction recomputes its sums then). Programs lie on grid axis 0. Codes are rounded by adding 1.5 * 2**23 and reading the integer off the sum's
-bits (half to even, no float-to-int conversion of a NaN); every launch passes
+bits (half to even, no float-to-int conversion of a NaN); every loop notes its trips for
+benchmarks/qgz_roofline.py; every launch passes
 ``enable_fp_fusion=False``, since a contracted ``x * scale + 1.5 * 2**23`` would round once instead
 of twice.
 
@@ -167,14 +168,15 @@ if triton is not None:
                          ONE_STEP: tl.constexpr):
         """quantize and swizzle_quant: groups in partition-major order in, each written to its
         place in the swizzle order (qgz_contract.swizzle_slot), pipeline stages outermost."""
-        group = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        # group indices in int32 (the contract keeps them below 2**28), offsets in int64
+        group = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live_rows = group < num_groups
         partition = group // groups_per_partition
         stage = (group % groups_per_partition) // per_stage
         slot = (partition % local_world_size) * num_nodes + partition // local_world_size
         target = (stage * (num_nodes * local_world_size) + slot) * per_stage + group % per_stage
-        row_in = x + tl.multiple_of(group * group_elems, 8)[:, None]
-        row_out = out + tl.multiple_of(target * group_elems * BITS // 8, BITS)[:, None]
+        row_in = x + tl.multiple_of(group.to(tl.int64) * group_elems, 8)[:, None]
+        row_out = out + tl.multiple_of(target.to(tl.int64) * group_elems * BITS // 8, BITS)[:, None]
         if ONE_STEP:
             lanes = tl.arange(0, BLOCK)[None, :]
             live = live_rows[:, None] & (lanes < group_elems)
@@ -185,7 +187,7 @@ if triton is not None:
         else:
             largest = tl.zeros([ROWS], tl.int32)
             seen = tl.zeros([ROWS], tl.int32)
-            for step in range(0, group_elems, BLOCK):
+            for step in range(0, group_elems, BLOCK):  # trips: -(-group_elems // BLOCK)
                 lanes = step + tl.arange(0, BLOCK)[None, :]
                 live = live_rows[:, None] & (lanes < group_elems)
                 values = tl.load(row_in + lanes, mask=live, other=0.0).to(tl.float32)
@@ -193,73 +195,57 @@ if triton is not None:
                 largest = tl.maximum(largest, step_largest)
                 seen = tl.maximum(seen, step_seen)
             scale = _scale(largest, seen, padded, BITS)
-            for step in range(0, group_elems, BLOCK):
+            for step in range(0, group_elems, BLOCK):  # trips: -(-group_elems // BLOCK)
                 lanes = step + tl.arange(0, BLOCK)[None, :]
                 live = live_rows[:, None] & (lanes < group_elems)
                 values = tl.load(row_in + lanes, mask=live, other=0.0).to(tl.float32)
                 _store_codes(row_out, step, _codes(values, scale, BITS), live, BITS, ROWS, BLOCK)
         tl.store(group_params + target, tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale), mask=live_rows)
 
-    @triton.jit
-    def _node_sum(data, scales, group, row_start, step, live, in_group_elems, bytes_per_device, groups_per_device,
-                  local_world_size, BITS: tl.constexpr, SAME_GROUPS: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK: tl.constexpr):
-        """Values `step` to `step + BLOCK` of the output groups `group` (which start at value `row_start`) of the
-        devices' tensors, each dequantized to fp16 and added in fp16 in device order from +0 (an fp32
-        sum of two fp16 values is exact, so rounding it is the fp16 add). With SAME_GROUPS the input
-        groups are the output groups; otherwise each value's is looked up."""
-        total = tl.zeros(live.shape, tl.float32)
-        row_byte = tl.multiple_of(row_start * BITS // 8, BITS)[:, None]
-        first_in = (row_start // in_group_elems)[:, None]
-        in_offset = (row_start % in_group_elems).to(tl.int32)[:, None]
-        for device in range(0, local_world_size):
-            codes = _load_codes(data + device * bytes_per_device + row_byte, step, live, BITS, ROWS, BLOCK)
-            device_scales = scales + device * groups_per_device
-            if SAME_GROUPS:
-                param = tl.load(device_scales + group)[:, None]
-            else:
-                lanes = step + tl.arange(0, BLOCK)[None, :]
-                param = tl.load(device_scales + first_in + (in_offset + lanes) // in_group_elems, mask=live, other=0.0)
-            total = (total + (codes * param).to(tl.float16).to(tl.float32)).to(tl.float16).to(tl.float32)
-        return total
-
     @triton.jit(do_not_specialize=["out_groups", "groups_per_device", "local_world_size", "padded"])
     def _quantized_reduction_kernel(data, scales, out, group_params, out_groups, out_group_elems, in_group_elems,
                                     bytes_per_device, groups_per_device, local_world_size, padded, BITS: tl.constexpr,
-                                    ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_STEP: tl.constexpr,
+                                    ROWS: tl.constexpr, BLOCK: tl.constexpr, PASSES: tl.constexpr,
                                     SAME_GROUPS: tl.constexpr):
-        """quantized_reduction: output group by output group, the node's sum requantized."""
+        """quantized_reduction: output group by output group, the devices' tensors dequantized to fp16
+        and added in fp16 in device order from +0 (an fp32 sum of two fp16 values is exact, so rounding
+        it is the fp16 add), then requantized. In PASSES 1 a step holds whole groups; in PASSES 2 the
+        steps over a group take its statistics, then recompute its sums to quantize them. With
+        SAME_GROUPS the input groups are the output groups; otherwise each value's is looked up."""
         group = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live_rows = group < out_groups
         group = tl.where(live_rows, group, 0)  # rows past the last read the first group, and store nothing
         row_start = group * out_group_elems
-        row_out = out + tl.multiple_of(row_start * BITS // 8, BITS)[:, None]
-        if ONE_STEP:
-            lanes = tl.arange(0, BLOCK)[None, :]
+        row_byte = tl.multiple_of(row_start * BITS // 8, BITS)[:, None]
+        row_out = out + row_byte
+        first_in = (row_start // in_group_elems)[:, None]
+        in_offset = (row_start % in_group_elems).to(tl.int32)[:, None]
+        steps = tl.cdiv(out_group_elems, BLOCK)
+        largest = tl.zeros([ROWS], tl.int32)
+        seen = tl.zeros([ROWS], tl.int32)
+        for k in range(0, steps * PASSES):  # trips: -(-out_group_elems // BLOCK) * PASSES
+            step = (k % steps) * BLOCK
+            lanes = step + tl.arange(0, BLOCK)[None, :]
             live = live_rows[:, None] & (lanes < out_group_elems)
-            values = _node_sum(data, scales, group, row_start, 0, live, in_group_elems, bytes_per_device,
-                               groups_per_device, local_world_size, BITS, SAME_GROUPS, ROWS, BLOCK)
-            largest, seen = _largest(values, live)
-            scale = _scale(largest, seen, padded, BITS)
-            _store_codes(row_out, 0, _codes(values, scale, BITS), live, BITS, ROWS, BLOCK)
-        else:
-            largest = tl.zeros([ROWS], tl.int32)
-            seen = tl.zeros([ROWS], tl.int32)
-            for step in range(0, out_group_elems, BLOCK):
-                lanes = step + tl.arange(0, BLOCK)[None, :]
-                live = live_rows[:, None] & (lanes < out_group_elems)
-                values = _node_sum(data, scales, group, row_start, step, live, in_group_elems, bytes_per_device,
-                                   groups_per_device, local_world_size, BITS, SAME_GROUPS, ROWS, BLOCK)
+            values = tl.zeros([ROWS, BLOCK], tl.float32)
+            for device in range(0, local_world_size):  # trips: local_world_size
+                codes = _load_codes(data + device * bytes_per_device + row_byte, step, live, BITS, ROWS, BLOCK)
+                device_scales = scales + device * groups_per_device
+                if SAME_GROUPS:
+                    param = tl.load(device_scales + group)[:, None]
+                else:
+                    param = tl.load(device_scales + first_in + (in_offset + lanes) // in_group_elems,
+                                    mask=live,
+                                    other=0.0)
+                values = (values + (codes * param).to(tl.float16).to(tl.float32)).to(tl.float16).to(tl.float32)
+            if k < steps:
                 step_largest, step_seen = _largest(values, live)
                 largest = tl.maximum(largest, step_largest)
                 seen = tl.maximum(seen, step_seen)
-            scale = _scale(largest, seen, padded, BITS)
-            for step in range(0, out_group_elems, BLOCK):
-                lanes = step + tl.arange(0, BLOCK)[None, :]
-                live = live_rows[:, None] & (lanes < out_group_elems)
-                values = _node_sum(data, scales, group, row_start, step, live, in_group_elems, bytes_per_device,
-                                   groups_per_device, local_world_size, BITS, SAME_GROUPS, ROWS, BLOCK)
-                _store_codes(row_out, step, _codes(values, scale, BITS), live, BITS, ROWS, BLOCK)
+            if k >= steps * (PASSES - 1):
+                _store_codes(row_out, step, _codes(values, _scale(largest, seen, padded, BITS), BITS), live, BITS,
+                             ROWS, BLOCK)
+        scale = _scale(largest, seen, padded, BITS)
         tl.store(group_params + group, tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale), mask=live_rows)
 
     @triton.jit(do_not_specialize=["num_groups"])
@@ -271,7 +257,7 @@ if triton is not None:
         param = tl.load(group_params + group, mask=live_rows, other=0.0)[:, None]
         row_data = data + tl.multiple_of(group * group_elems * BITS // 8, BITS)[:, None]
         row_out = out + tl.multiple_of(group * group_elems, 8)[:, None]
-        for step in range(0, group_elems, BLOCK):
+        for step in range(0, group_elems, BLOCK):  # trips: -(-group_elems // BLOCK)
             lanes = step + tl.arange(0, BLOCK)[None, :]
             live = live_rows[:, None] & (lanes < group_elems)
             values = _load_codes(row_data, step, live, BITS, ROWS, BLOCK) * param
@@ -417,7 +403,7 @@ def quantized_reduction(data, scales, in_groups, out_groups, num_bits, quant_typ
     meta = dict(BITS=num_bits,
                 ROWS=rows,
                 BLOCK=block,
-                ONE_STEP=one_step,
+                PASSES=1 if one_step else 2,
                 SAME_GROUPS=in_group_elems == out_group_elems)
     return _checked_call(
         "quantized_reduction", _quantized_reduction_kernel,

@@ -44,12 +44,10 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
     for section, _, status in rows:
         sections.setdefault(section.strip("| "), []).append(status)
     # environment: versions, build, overlay; kernels: 3 kernels at 4 bits and 2 at 8 bits x 8 group
-    # sizes (40960 only on a GPU), and the weights' quantize for the 6 of them the contract allows; the probe at 4 and 8 bits; glue: 3 dtypes x 2 precisions x (reference, kernels);
-    # ranks: the collective in 3 dtypes x 2 precisions, training bf16 x
-    # on/off; speed: 4 group sizes, one bucket in 2 dtypes x 2 precisions; fused: whether it can
-    # run, 3 dtypes x 2 precisions x (against the reference, against the op), a call without a host
-    # synchronization, GB/s at 2 precisions, one call in 2 dtypes; fused choice: "auto" in 3 dtypes
-    # x 2 precisions
+    # sizes (40960 only on a GPU), and the weights' quantize for the 6 of them the contract allows;
+    # the probe at 4 and 8 bits; triton: the same rows on the Triton op; ranks: the collective in 3
+    # dtypes x 2 precisions x (DeepSpeed's op, the Triton op), training bf16 x on/off; speed: 4 group
+    # sizes
     assert {
         k: len(v)
         for k, v in sections.items()
@@ -57,18 +55,17 @@ def test_gpu_check_script_logic_on_cpu(cpu_quantizer, tmp_path):
         "environment": 3,
         "kernels": 46,
         "sub-warp probe": 2,
-        "glue": 12,
-        "ranks": 8,
-        "speed": 8,
-        "fused": 18,
-        "fused choice": 6
+        "triton": 46,
+        "ranks": 14,
+        "speed": 4
     }, table
     assert all(status in ("PASS", "INFO") for statuses in sections.values() for status in statuses), table
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["data"]["kernels"]["swizzle_quant/136"]["code_real"] == 0
-    assert data["data"]["fused"]["bf16/8"]["counts"]["reference"]["stage 0"] == 0
-    # each fused kernel's measured GB/s beside its roofline ceiling (a dry run models an H100)
-    assert "% of H100's HBM" in data["data"]["fused"]["speed/8"]["roofline"]["stage 1"]
-    # the self-check passes in the interpreter; which path "auto" takes there depends on times
-    assert "the self-check gave the reference's bits" in data["data"]["fused choice"]["bf16/8"]["reason"]
+    # the Triton op rounds as the reference: not a last bit apart anywhere
+    assert all(
+        counts.get(key, 0) == 0 for name, counts in data["data"]["triton"].items() if name != "seconds"
+        for key in ("scale_last_bit", "scale_real", "tie_flips", "code_real"))
+    # each kernel's measured GB/s beside the Triton op's roofline ceiling (a dry run models an H100)
+    assert "% of H100's HBM" in data["data"]["speed"]["kernels/136"]["Triton roofline"]["swizzle_quant"]
     assert (tmp_path / "build.log").exists()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tests in DeepSpeed's form: the patch's (tests/, at DeepSpeed's paths: the series' result of
-# DeepSpeed's test module of the collectives) and this package's own (package_tests/: its qgZ
-# pipeline, fused kernels, CPU op, and qwZ and ZeRO++ on worlds of simulated nodes), against the
+# DeepSpeed's test module of the collectives) and this package's own (package_tests/: its CPU and
+# Triton quantizer ops, and qwZ and ZeRO++ on worlds of simulated nodes), against the
 # installed DeepSpeed (the overlay, or a DeepSpeed patched in-tree) or a patched DeepSpeed checkout,
 # on the CPU accelerator, run as DeepSpeed runs its CPU tests: LOCAL_SIZE in the environment at least
 # the largest world size (10).
@@ -45,7 +45,7 @@ else
     export PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"  # the stand-in's qgz_harness
     mapfile -t FILES < <(cd "$WORK/tests" && find unit -name 'test_*.py' | sort)
 fi
-# Without a GPU the fused Triton kernels' tests run in Triton's interpreter (they skip without Triton).
+# Without a GPU the Triton quantizer op's tests run in Triton's interpreter (they skip without Triton).
 if ! python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     export TRITON_INTERPRET=1
 fi

@@ -20,34 +20,23 @@ DIR/gpu_check.json:
    than 32 threads, which the kernel contract refuses), called on the raw op right after a kernel
    that leaves large values behind, repeated. Stable bits equal to the reference would be evidence
    to relax the contract's warp rule; anything else is evidence that it is needed. INFO rows.
-4. glue: the whole pipeline (quantized_pipeline.py) on CUDA tensors with the PyTorch reference as
-   the quantizer, bit for bit against the same on CPU, fp16, bf16 and fp32, both intra-node
-   precisions, on a side stream under torch.cuda.set_sync_debug_mode("error") (a host
-   synchronisation raises); then with the CUDA kernels, against the exact average.
+4. triton: this package's Triton quantizer op (deepspeed_qgz/triton_quantizer.py) on the same
+   inputs as section 2, bit for bit against the reference (no fast math: any difference fails),
+   including its self-check on each variant's first call.
 5. ranks: four processes sharing the GPU (gloo carries CUDA tensors; NCCL refuses two ranks on one
    device), the accelerator's device count set to 2 (2 nodes x 2): the series' all_to_all_quant_reduce
-   (DeepSpeed's CUDA kernels, 0011's dequantize and swizzle_quant calls at 8 bits among them) on a
-   mixed 2-D/1-D bucket against the exact average, reduce_scatter_coalesced's partitions, shapes and
-   dtypes; the bug report's training under ZeRO-3 in fp16 and bf16, qgZ on and off.
-6. speed: each kernel's GB/s against a device-to-device copy at groups of 128, 136, 256 and 1024;
-   one rank's pipeline for buckets of 1M to 100M elements: time, kernel launches, peak memory.
-7. fused: the fused Triton stages (quantized_fused.py) stage by stage against the glue on the
-   PyTorch reference quantizer (bit for bit: a mismatch fails) and on the CUDA kernels (where
-   --use_fast_math may move a last bit or a tie: counted, INFO), over three topologies, three
-   group sizes, fp16, bf16 and fp32, both intra-node precisions, with zero groups, subnormals,
-   each dtype's largest and smallest values, inf and NaN; each fused kernel's GB/s beside its
-   static roofline ceiling on this GPU's architecture (benchmarks/qgz_roofline.py) and a
-   device-to-device copy's; one call's time and extra peak memory for the fused stages, the default
-   stages and the reduce-scatter's own work (its copy-in and division) at 1M to 100M elements,
-   fp16 and bf16.
-8. fused choice: zero_quantized_gradients_fused "auto" at a first call of 8Mi elements (3x2
-   layout) in fp16, bf16 and fp32 at both intra-node precisions: the self-check (a mismatch fails),
-   the choice with both paths' times, the start-up time with Triton's compilation, the extra peak
-   memory, and the self-check's time once compiled (quantized_fused_choice.py).
+   on DeepSpeed's CUDA kernels (0011's dequantize and swizzle_quant calls at 8 bits among them) and on
+   the Triton op, on a mixed 2-D/1-D bucket against the exact average, reduce_scatter_coalesced's
+   partitions, shapes and dtypes; the bug report's training under ZeRO-3 in fp16 and bf16, qgZ on and
+   off.
+6. speed: each kernel's GB/s, DeepSpeed's CUDA op and the Triton op side by side, against a
+   device-to-device copy at groups of 128, 136, 256, 1024, 4096 and 40960, as the series calls them at
+   3x2, with the Triton op's static roofline ceiling on this GPU's architecture
+   (benchmarks/qgz_roofline.py) beside it.
 
 --dry-run-on-cpu runs every section that can run without CUDA, on the CPU op and CPU tensors,
 smaller (section 5 on gloo with CPU tensors, bf16 and fp32: the CPU accelerator refuses fp16
-training; sections 7 and 8 in Triton's interpreter). It checks this script, nothing about a GPU.
+training; the Triton op in Triton's interpreter). It checks this script, nothing about a GPU.
 """
 
 import argparse
@@ -77,8 +66,7 @@ GROUP_SIZES = [8, 64, 120, 128, 136, 256, 1024, 4096, 40960]
 TOPOLOGIES = [(3, 2), (5, 2), (2, 8), (3, 8)]
 PROBE_SIZES = list(range(8, 129, 8))
 PROBE_REPEATS = 10
-SPEED_GROUPS = [128, 136, 256, 1024]
-PIPELINE_BUCKETS = [1_000_000, 10_000_000, 100_000_000]
+SPEED_GROUPS = [128, 136, 256, 1024, 4096, 40960]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 RANKS_NODES, RANKS_LOCAL = 2, 2
 
@@ -257,7 +245,9 @@ def test_values(num_groups, group_elems, gen):
     return x.half()
 
 
-def kernels(report, op, device, dry_run):
+def kernels(report, op, device, dry_run, section="kernels", strict=False):
+    """Each kernel of `op` against the reference on the same inputs; with `strict` (an op without
+    fast math) any difference fails, else only a real mismatch does."""
     from deepspeed_qgz.qgz import qgz_contract as contract
     from deepspeed_qgz.qgz import qgz_reference as ref
     gen = torch.Generator().manual_seed(0)
@@ -326,11 +316,12 @@ def kernels(report, op, device, dry_run):
         for name, counts in totals.items():
             if not counts:  # the weights' quantize refuses groups of 136 to 256 values (sub-warp)
                 continue
-            real = counts.get("code_real", 0) + counts.get("scale_real", 0)
+            differing = ("code_real", "scale_real") + (("scale_last_bit", "tie_flips") if strict else ())
+            real = sum(counts.get(key, 0) for key in differing)
             detail = ", ".join(f"{k} {v}" for k, v in counts.items())
-            report.row("kernels", f"{name}, groups of {group_elems}, {len(topologies)} topologies",
+            report.row(section, f"{name}, groups of {group_elems}, {len(topologies)} topologies",
                        "PASS" if real == 0 else "FAIL", detail)
-            report.record("kernels", f"{name}/{group_elems}", counts)
+            report.record(section, f"{name}/{group_elems}", counts)
 
 
 def add(totals, counts):
@@ -404,74 +395,10 @@ def probe(report, ops, device, dry_run):
     report.record("sub-warp probe", "results", results)
 
 
-# ----------------------------------------------------------------------------------------------
-# 4. glue
-# ----------------------------------------------------------------------------------------------
-
-GLUE_SHAPES = [(1031, 77), (515, 3), (7, 5, 3), (64, 48)]
-
-
 def cluster_inputs(shapes, world, dtype, gen):
     signals = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
     return [[(sig + 0.25 * torch.randn(sig.shape, generator=gen, dtype=torch.float64)).to(dtype) for sig in signals]
             for _ in range(world)]
-
-
-def glue(report, checked, device, dry_run):
-    from deepspeed_qgz.qgz import qgz_reference as ref
-    from deepspeed_qgz.qgz.quantized_simulation import simulate_all_to_all_quant_reduce
-    gen = torch.Generator().manual_seed(2)
-    num_nodes, local_size = 3, 2
-    world = num_nodes * local_size
-    for dtype_name, dtype in DTYPES.items():
-        for bits in (4, 8):
-            inputs = cluster_inputs(GLUE_SHAPES, world, dtype, gen)
-            on_cpu, _ = simulate_all_to_all_quant_reduce(inputs, num_nodes, local_size, ref, intra_node_bits=bits)
-            moved = [[t.to(device) for t in ranks] for ranks in inputs]
-            if device == "cuda":
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    with torch.cuda.stream(stream):
-                        on_device, _ = simulate_all_to_all_quant_reduce(moved,
-                                                                        num_nodes,
-                                                                        local_size,
-                                                                        ref,
-                                                                        intra_node_bits=bits)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                torch.cuda.synchronize()
-            else:
-                on_device, _ = simulate_all_to_all_quant_reduce(moved,
-                                                                num_nodes,
-                                                                local_size,
-                                                                ref,
-                                                                intra_node_bits=bits)
-            same = all(same_bits(a, b) for ra, rb in zip(on_device, on_cpu) for a, b in zip(ra, rb))
-            where = "side stream, sync debug mode 'error'" if device == "cuda" else "CPU (dry run)"
-            report.row("glue", f"pipeline with the reference quantizer, {dtype_name}, {bits}/4",
-                       "PASS" if same else "FAIL", f"{where}: bit-identical to CPU: {same}")
-
-            kernels_out, _ = simulate_all_to_all_quant_reduce(moved,
-                                                              num_nodes,
-                                                              local_size,
-                                                              checked,
-                                                              intra_node_bits=bits)
-            worst = error_over_bound(inputs, kernels_out)
-            same_as_ref = all(same_bits(a, b) for ra, rb in zip(kernels_out, on_cpu) for a, b in zip(ra, rb))
-            report.row("glue", f"pipeline on the kernels, {dtype_name}, {bits}/4", "PASS" if worst <= 1 else "FAIL",
-                       f"max error / bound {worst:.3f}; bit-identical to the reference: {same_as_ref}")
-            report.record("glue", f"{dtype_name}/{bits}", {
-                "same_as_cpu": same,
-                "error_over_bound": worst,
-                "kernels_same_as_reference": same_as_ref
-            })
-
-
-def error_over_bound(inputs, outputs):
-    """The largest |result - exact average| over the tests' per-element bound, every rank's."""
-    return max(rank_error_over_bound(inputs, outputs[rank], rank) for rank in range(len(inputs)))
 
 
 def rank_error_over_bound(inputs, outputs, rank):
@@ -556,12 +483,19 @@ def rank_worker(dry_run):
     groups = ds_groups._get_local_all_to_all_group()
     out = {"rank": rank, "collective": {}, "training": {}}
     gen = torch.Generator().manual_seed(3)
+    from deepspeed_qgz import triton_quantizer
     for dtype_name, dtype in DTYPES.items():
         for bits in (4, 8):
             inputs = cluster_inputs(RANK_BUCKET, world, dtype, gen)
             mine = [t.to(device) for t in inputs[rank]]
             results = cc.all_to_all_quant_reduce(mine, groups, intra_node_bits=bits)
             out["collective"][f"{dtype_name}, {bits}/4"] = rank_error_over_bound(inputs, results, rank)
+            saved, cc.quantizer_module = cc.quantizer_module, triton_quantizer
+            try:
+                results = cc.all_to_all_quant_reduce(mine, groups, intra_node_bits=bits)
+            finally:
+                cc.quantizer_module = saved
+            out["collective"][f"{dtype_name}, {bits}/4, Triton op"] = rank_error_over_bound(inputs, results, rank)
     spec = importlib.util.spec_from_file_location("qgz_report_train", HERE / "qgz_3x2" / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
@@ -634,223 +568,44 @@ def timed(fn, device, repeats):
 
 
 def speed(report, ops, checked, device, dry_run):
-    from deepspeed_qgz.qgz import quantized_pipeline as pipeline
-    from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout
+    from deepspeed_qgz import triton_quantizer
     repeats = 3 if dry_run else 20
     num_nodes, local_size = 3, 2
     world = num_nodes * local_size
-    per_rank = 1 << (18 if dry_run else 24)  # about this many fp16 values per partition
-    for group_elems in SPEED_GROUPS:
-        num_groups = world * (per_rank // group_elems)
+    per_rank = 1 << (16 if dry_run else 24)  # about this many fp16 values per partition
+    for group_elems in SPEED_GROUPS[:4] if dry_run else SPEED_GROUPS:
+        num_groups = world * max(1, per_rank // group_elems)
         x = torch.randn(num_groups * group_elems, device=device).half()
-        copy = timed(lambda: x.clone(), device, repeats)
-        q, s = ops.swizzle_quant(x, num_groups, 4, ops.Symmetric, 1, num_nodes, local_size)
-        swizzle = timed(lambda: ops.swizzle_quant(x, num_groups, 4, ops.Symmetric, 1, num_nodes, local_size), device,
-                        repeats)
-        # groups of 128: the unchecked op (a sub-warp launch), for comparison only
-        reduce_fn = unchecked_reduction(ops, device) if group_elems < 136 else checked.quantized_reduction
-        reduction = timed(lambda: reduce_fn(q, s, num_groups, num_groups // local_size, 4, ops.Symmetric, local_size),
-                          device, repeats)
-        r, r_s = reduce_fn(q, s, num_groups, num_groups // local_size, 4, ops.Symmetric, local_size)
-        dequant = timed(lambda: ops.dequantize(r, r_s, num_groups // local_size, 4, ops.Symmetric), device, repeats)
-        gbs = {
-            name: x.numel() * 2 / seconds / 1e9
-            for name, seconds in (("copy", copy), ("swizzle_quant", swizzle), ("quantized_reduction", reduction),
-                                  ("dequantize", dequant))
-        }
-        report.record("speed", f"kernels/{group_elems}", gbs)
-        report.row("speed", f"kernels, groups of {group_elems}", "INFO",
-                   ", ".join(f"{k} {v:.0f} GB/s" for k, v in gbs.items()) + " (GB/s of fp16 values)")
-    buckets = PIPELINE_BUCKETS[:1] if dry_run else PIPELINE_BUCKETS
-    for numel in buckets:
-        for dtype_name in ("fp16", "bf16"):
-            for bits in (4, 8):
-                tensor = torch.randn(numel // 1024, 1024, device=device).to(DTYPES[dtype_name])
-                layout = quantized_reduce_layout((tensor.numel(), ), num_nodes, local_size, 136, bits)
-
-                def one_rank():
-                    slots = pipeline.quantize_partitions([tensor], layout, checked)
-                    received = slots.view(local_size, num_nodes, -1)[0].repeat(local_size, 1)
-                    sums = pipeline.reduce_within_node(received, layout, checked)
-                    return pipeline.average_across_nodes(sums, layout, checked, tensor.dtype)
-
-                seconds = timed(one_rank, device, 3 if dry_run else 10)
-                launches, peak = "n/a", "n/a"
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                        one_rank()
-                        torch.cuda.synchronize()
-                    launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-                    peak = f"{(torch.cuda.max_memory_allocated() - base) / numel:.2f} B/elem"
-                report.record("speed", f"pipeline/{numel}/{dtype_name}/{bits}", {
-                    "seconds": seconds,
-                    "launches": launches,
-                    "peak": peak
-                })
-                report.row("speed", f"one rank's pipeline, {numel / 1e6:.0f}M {dtype_name}, {bits}/4", "INFO",
-                           f"{seconds * 1e3:.2f} ms, {launches} kernel launches, extra peak memory {peak}")
+        gbs = {"copy": x.numel() * 2 / timed(lambda: x.clone(), device, repeats) / 1e9}
+        for name, op in (("DeepSpeed's", ops), ("Triton", triton_quantizer)):
+            if name == "Triton" and group_elems < 136:
+                continue  # the contract refuses its reduction's sub-warp groups; the CUDA op's is unchecked
+            # groups of 128: the unchecked op (a sub-warp launch), for comparison only
+            reduce_fn = unchecked_reduction(ops, device) if group_elems < 136 else op.quantized_reduction
+            q, s = op.swizzle_quant(x, num_groups, 4, op.Symmetric, 1, num_nodes, local_size)
+            r, r_s = reduce_fn(q, s, num_groups, num_groups // local_size, 4, op.Symmetric, local_size)
+            for kernel, call in (
+                ("swizzle_quant", lambda: op.swizzle_quant(x, num_groups, 4, op.Symmetric, 1, num_nodes, local_size)),
+                ("quantized_reduction",
+                 lambda: reduce_fn(q, s, num_groups, num_groups // local_size, 4, op.Symmetric, local_size)),
+                ("dequantize", lambda: op.dequantize(r, r_s, num_groups // local_size, 4, op.Symmetric)),
+            ):
+                gbs[f"{name} {kernel}"] = x.numel() * 2 / timed(call, device, repeats) / 1e9
+        ceilings = roofline_ceilings(device, group_elems)
+        report.record("speed", f"kernels/{group_elems}", {"GB/s": gbs, "Triton roofline": ceilings})
+        report.row(
+            "speed", f"kernels, groups of {group_elems}", "INFO",
+            ", ".join(f"{k} {v:.0f} GB/s" for k, v in gbs.items()) + " (GB/s of fp16 values); the Triton "
+            "op's roofline ceilings: " + ", ".join(f"{k} {v}" for k, v in ceilings.items()))
 
 
-# ----------------------------------------------------------------------------------------------
-# 7. fused kernels
-# ----------------------------------------------------------------------------------------------
-
-FUSED_TOPOLOGIES = [(3, 2), (2, 8), (5, 2)]
-FUSED_GROUP_SIZES = [136, 1024, 40960]  # 40960: groups of more than one kernel step
-
-
-def fused_inputs(shapes, world, dtype, gen):
-    """Every rank's tensors: a shared signal with zero groups, subnormals, the dtype's largest and
-    smallest normal values, inf and NaN."""
-    info = torch.finfo(dtype)
-    inputs = cluster_inputs(shapes, world, dtype, gen)
-    for rank, tensors in enumerate(inputs):
-        flat = tensors[0].view(-1)
-        flat[:flat.numel() // 8].zero_()
-        flat[-200:] *= info.tiny
-        flat[-5] = info.tiny * info.eps
-        flat[-7] = info.max * (-1)**rank
-        if rank == 1:
-            tensors[-1].view(-1)[3] = float("nan")
-            tensors[-1].view(-1)[-2] = float("inf")
-    return inputs
-
-
-def slot_mismatches(got, expected, fmt):
-    """Values of `got` that differ from `expected` (slots of `fmt`), by the self-check's rule."""
-    from deepspeed_qgz.qgz.quantized_fused_choice import slot_differences
-    return sum(difference[1] for difference in slot_differences(got, expected, fmt))
-
-
-def value_mismatches(got, expected):
-    """Values of `got` whose bits differ from `expected`'s (NaN equal to NaN), by the self-check's rule."""
-    from deepspeed_qgz.qgz.quantized_fused_choice import value_difference
-    difference = value_difference(got, expected)
-    return 0 if difference is None else difference[0]
-
-
-def fused(report, checked, device, dry_run):
-    from deepspeed_qgz.qgz import qgz_reference as ref
-    from deepspeed_qgz.qgz import quantized_fused
-    from deepspeed_qgz.qgz import quantized_pipeline as pipeline
-    from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout
-    reason = quantized_fused.fused_unavailable_reason(device)
-    report.row("fused", "the fused kernels can run", "FAIL" if reason else "PASS", reason or device)
-    if reason:
-        return
-    stages = {
-        "reference": pipeline.pipeline_stages(ref),
-        "kernels": pipeline.pipeline_stages(checked),
-        "fused": pipeline.pipeline_stages(None, fused=True)
-    }
-    gen = torch.Generator().manual_seed(7)
-    topologies = FUSED_TOPOLOGIES[:1] if dry_run else FUSED_TOPOLOGIES
-    group_sizes = [136, 4096] if dry_run else FUSED_GROUP_SIZES
-    shapes = [(600, 40), (33, 17), (5, 5, 5)] if dry_run else [(3000, 257), (1031, 77), (33, 17), (5, 5, 5)]
-    for dtype_name, dtype in DTYPES.items():
-        for bits in (4, 8):
-            counts = {
-                "reference": {
-                    "stage 0": 0,
-                    "stage 1": 0,
-                    "stage 2": 0,
-                    "values": 0
-                },
-                "kernels": {
-                    "stage 2": 0,
-                    "values": 0
-                }
-            }
-            worst = 0.0
-            for num_nodes, local_size in topologies:
-                world = num_nodes * local_size
-                inputs = fused_inputs(shapes, world, dtype, gen)
-                moved = [[t.to(device) for t in tensors] for tensors in inputs]
-                for group_size in group_sizes:
-                    layout = quantized_reduce_layout(tuple(t.numel() for t in inputs[0]), num_nodes, local_size,
-                                                     group_size, bits)
-                    outputs = {(name, 0): run.quantize_partitions(moved[0], layout) for name, run in stages.items()}
-                    # stages 1 and 2 of every implementation on what the reference's exchanges carry
-                    base = stages["reference"]
-                    all_slots = [
-                        base.quantize_partitions(moved[r], layout).view(local_size, num_nodes, -1)
-                        for r in range(world)
-                    ]
-                    received = [
-                        torch.cat([all_slots[n * local_size + d][0] for d in range(local_size)])
-                        for n in range(num_nodes)
-                    ]
-                    sums = [base.reduce_within_node(received[n], layout) for n in range(num_nodes)]
-                    across = torch.stack([sums[n][0] for n in range(num_nodes)])
-                    for name, run in stages.items():
-                        outputs[name, 1] = run.reduce_within_node(received[0], layout)
-                        outputs[name, 2] = run.average_across_nodes(across, layout, dtype=dtype)
-                    counts["reference"]["stage 0"] += slot_mismatches(outputs["fused", 0], outputs["reference", 0],
-                                                                      layout.intra)
-                    counts["reference"]["stage 1"] += slot_mismatches(outputs["fused", 1], outputs["reference", 1],
-                                                                      layout.inter)
-                    counts["reference"]["stage 2"] += value_mismatches(outputs["fused", 2], outputs["reference", 2])
-                    counts["kernels"]["stage 2"] += value_mismatches(outputs["fused", 2], outputs["kernels", 2])
-                    counts["reference"]["values"] += outputs["fused", 2].numel()
-                    counts["kernels"]["values"] += outputs["fused", 2].numel()
-                    finite = torch.isfinite(outputs["fused", 2]) & torch.isfinite(outputs["kernels", 2])
-                    diff = (outputs["fused", 2][finite].double() - outputs["kernels", 2][finite].double()).abs()
-                    scale = outputs["kernels", 2][finite].double().abs().max() if finite.any() else 1.0
-                    worst = max(worst, float(diff.max() / scale) if diff.numel() else 0.0)
-            real = sum(v for k, v in counts["reference"].items() if k != "values")
-            report.row(
-                "fused", f"stages against the glue on the reference quantizer, {dtype_name}, {bits}/4",
-                "PASS" if real == 0 else "FAIL",
-                f"{len(topologies)} topologies x {len(group_sizes)} group sizes, mismatches: " +
-                ", ".join(f"{k} {v}" for k, v in counts["reference"].items()))
-            report.row(
-                "fused", f"stage 2 against the glue on the CUDA kernels, {dtype_name}, {bits}/4", "INFO",
-                f"values differing {counts['kernels']['stage 2']} of {counts['kernels']['values']} "
-                f"(fast-math last bits and ties), largest difference {worst:.2e} of the largest value")
-            report.record("fused", f"{dtype_name}/{bits}", {"counts": counts, "largest_difference": worst})
-    fused_no_sync(report, stages, device)
-    fused_speed(report, stages, device, dry_run)
-
-
-def fused_no_sync(report, stages, device):
-    """One fused call on a side stream with host synchronizations made errors (on a GPU)."""
-    from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout
-    gen = torch.Generator().manual_seed(9)
-    tensors = [t.to(device) for t in cluster_inputs([(1031, 77), (33, 17)], 1, torch.bfloat16, gen)[0]]
-    layout = quantized_reduce_layout(tuple(t.numel() for t in tensors), 3, 2, 136, 8)
-    run = stages["fused"]
-
-    def one_call():
-        slots = run.quantize_partitions(tensors, layout)
-        received = slots.view(2, 3, -1)[0].repeat(2, 1)
-        return run.average_across_nodes(run.reduce_within_node(received, layout), layout, dtype=torch.bfloat16)
-
-    expected = one_call()  # compiles the kernels and caches the layout's tables (copies that synchronize)
-    if device == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                got = one_call()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        where = "side stream, sync debug mode 'error'"
-    else:
-        got, where = one_call(), "CPU (dry run)"
-    same = value_mismatches(got, expected) == 0
-    report.row("fused", "one call without a host synchronization", "PASS" if same else "FAIL",
-               f"{where}; the same bits as the call before: {same}")
-
-
-def roofline_ceilings(device, topology, dtype_name, bits):
-    """{stage: "N% of HBM, G GB/s on GPU"}: each fused stage's static roofline ceiling
-    (benchmarks/qgz_roofline.py, run without TRITON_INTERPRET: it compiles) for this GPU, or the
-    modeled GPU of its architecture (H100 in a dry run)."""
+def roofline_ceilings(device, group_elems):
+    """{call: "N% of GPU's HBM, G GB/s"}: the Triton op's static roofline ceiling for each of the
+    series' 4/4 calls at 3x2 in groups of `group_elems` values (benchmarks/qgz_roofline.py, run
+    without TRITON_INTERPRET: it compiles) on this GPU, or the modeled GPU of its architecture (H100
+    in a dry run); {} for groups the series does not make."""
+    if group_elems < 136:
+        return {}
     if device == "cuda":
         name, capability = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
     else:
@@ -863,9 +618,8 @@ def roofline_ceilings(device, topology, dtype_name, bits):
         out = Path(tmp) / "case.json"
         subprocess.run([
             sys.executable,
-            str(HERE.parent / "benchmarks" / "qgz_roofline.py"), "--case", gpu, f"{topology[0]}x{topology[1]}",
-            dtype_name,
-            str(bits), "--case-out",
+            str(HERE.parent / "benchmarks" / "qgz_roofline.py"), "--case", gpu, "3x2", "4",
+            str(group_elems), "--case-out",
             str(out)
         ],
                        env=env,
@@ -874,135 +628,9 @@ def roofline_ceilings(device, topology, dtype_name, bits):
         rows = json.loads(out.read_text())
     hbm = qgz_roofline.GPUS[gpu]["hbm"] / 1e9
     return {
-        f"stage {k}": f"{r['ceiling_percent']:.0f}% of {gpu}'s HBM, {r['ceiling_percent'] * hbm / 100:.0f} GB/s"
-        for k, r in enumerate(rows)
+        r["call"]: f"{r['ceiling_percent']:.0f}% of {gpu}'s HBM, {r['ceiling_percent'] * hbm / 100:.0f} GB/s"
+        for r in rows
     }
-
-
-def fused_speed(report, stages, device, dry_run):
-    from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout
-    from deepspeed_qgz.qgz.quantized_pipeline import chunk_cat
-    num_nodes, local_size = 3, 2
-    world = num_nodes * local_size
-    repeats = 2 if dry_run else 10
-    numel = 1 << (14 if dry_run else 24)
-    tensor = torch.randn(numel // 1024, 1024, device=device).to(torch.bfloat16)
-    for bits in (4, 8):
-        layout = quantized_reduce_layout((tensor.numel(), ), num_nodes, local_size, 136, bits)
-        run = stages["fused"]
-        slots = run.quantize_partitions([tensor], layout)
-        received = slots.view(local_size, num_nodes, -1)[0].repeat(local_size, 1)
-        sums = run.reduce_within_node(received, layout)
-        average = run.average_across_nodes(sums, layout, dtype=tensor.dtype)
-        copy = tensor.clone()
-        copy_s = timed(lambda: copy.copy_(tensor), device, repeats)
-        rates = {"copy": 2 * tensor.numel() * 2 / copy_s / 1e9}
-        for name, fn, moved in (("stage 0", lambda: run.quantize_partitions([tensor], layout), tensor.numel() * 2 +
-                                 slots.numel()), ("stage 1", lambda: run.reduce_within_node(received, layout),
-                                                  received.numel() + sums.numel()),
-                                ("stage 2", lambda: run.average_across_nodes(sums, layout, dtype=tensor.dtype),
-                                 sums.numel() + average.numel() * 2)):
-            rates[name] = moved / timed(fn, device, repeats) / 1e9
-        ceilings = roofline_ceilings(device, (num_nodes, local_size), "bf16", bits)
-        report.row(
-            "fused", f"kernels' GB/s (bytes read and written), {tensor.numel() / 1e6:g}M bf16, {bits}/4", "INFO",
-            ", ".join(f"{k} {v:.0f}" + (f" (roofline {ceilings[k]})" if k in ceilings else "")
-                      for k, v in rates.items()))
-        report.record("fused", f"speed/{bits}", {"measured": rates, "roofline": ceilings})
-    buckets = [1 << 16] if dry_run else PIPELINE_BUCKETS
-    for numel in buckets:
-        for dtype_name in ("fp16", "bf16"):
-            tensor = torch.randn(numel // 1024, 1024, device=device).to(DTYPES[dtype_name])
-            layout = quantized_reduce_layout((tensor.numel(), ), num_nodes, local_size, 136, 8)
-            cells = {}
-            for name in ("fused", "kernels", "reduce-scatter"):
-
-                def one_call(name=name):
-                    if name == "reduce-scatter":  # its copy-in and division, the collective left out
-                        buffer = torch.empty(world, -(-tensor.numel() // world), dtype=tensor.dtype, device=device)
-                        chunk_cat([tensor.view(-1)], buffer)
-                        return buffer.div_(world)
-                    run = stages[name]
-                    slots = run.quantize_partitions([tensor], layout)
-                    received = slots.view(local_size, num_nodes, -1)[0].repeat(local_size, 1)
-                    return run.average_across_nodes(run.reduce_within_node(received, layout),
-                                                    layout,
-                                                    dtype=tensor.dtype)
-
-                seconds = timed(one_call, device, repeats)
-                peak = "n/a"
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    one_call()
-                    torch.cuda.synchronize()
-                    peak = f"{(torch.cuda.max_memory_allocated() - base) / numel:.2f} B/elem"
-                cells[name] = {"ms": seconds * 1e3, "peak": peak}
-            report.row("fused", f"one call, {numel / 1e6:g}M {dtype_name}, 8/4, 3x2 (exchanges left out)", "INFO",
-                       "; ".join(f"{k} {v['ms']:.2f} ms, extra peak {v['peak']}" for k, v in cells.items()))
-            report.record("fused", f"call/{numel}/{dtype_name}", cells)
-
-
-def fused_choice(report, checked, device, dry_run):
-    """zero_quantized_gradients_fused "auto" as a user's first qgZ call meets it (one rank, 3x2
-    layout): the self-check's verdict, the choice, both paths' times on the call's bucket, the
-    start-up time (Triton's compilation of the variants included) and the check's extra peak
-    memory; then the self-check alone again, compiled."""
-    from deepspeed_qgz.qgz import quantized_fused_choice as choice
-    from deepspeed_qgz.qgz.quantized_layout import quantized_reduce_layout
-    numel = 24576 if dry_run else 8 * 2**20
-    gen = torch.Generator().manual_seed(11)
-    for dtype_name, dtype in DTYPES.items():
-        for bits in (8, 4):
-            tensors = [t.to(device) for t in cluster_inputs([(numel // 1024, 1024)], 1, dtype, gen)[0]]
-            layout = quantized_reduce_layout((numel, ), 3, 2, 136, bits)
-            synchronize(device)
-            base = memory_allocated(device)
-            begin = time.perf_counter()
-            fused = choice.choose_fused(choice.AUTO, tensors, layout, checked)
-            synchronize(device)
-            startup = time.perf_counter() - begin
-            extra = (max_memory_allocated(device) - base) / 2**20
-            reason = [
-                c.reason for key, c in choice.choices().items() if key.dtype == dtype and key.intra_node_bits == bits
-            ][-1]
-            begin = time.perf_counter()
-            again = choice.self_check(3, 2, 136, bits, dtype, device)
-            synchronize(device)
-            warm = time.perf_counter() - begin
-            status = "PASS" if "the self-check gave the reference's bits" in reason and again is None else "FAIL"
-            report.row(
-                "fused choice", f"\"auto\" at the first call, {dtype_name}, {bits}/4, "
-                f"{numel / 2**20:g}Mi elements", status,
-                f"{'fused' if fused else 'default'}; start-up {startup:.2f} s (self-check compiled "
-                f"{warm:.2f} s), extra peak {extra:.1f} MiB; {reason}")
-            report.record("fused choice", f"{dtype_name}/{bits}", {
-                "fused": fused,
-                "startup_s": startup,
-                "self_check_s": warm,
-                "extra_peak_mib": extra,
-                "reason": reason
-            })
-
-
-def synchronize(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def memory_allocated(device):
-    if device != "cuda":
-        return 0
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
-
-
-def max_memory_allocated(device):
-    return torch.cuda.max_memory_allocated() if device == "cuda" else 0
-
-
-# ----------------------------------------------------------------------------------------------
 
 
 def main():
@@ -1018,7 +646,7 @@ def main():
         print("gpu_check: CUDA is needed", file=sys.stderr)
         return 2
     device = "cpu" if dry_run else "cuda"
-    if dry_run:  # the fused kernels on CPU tensors, in Triton's interpreter (before they are imported)
+    if dry_run:  # the Triton op on CPU tensors, in Triton's interpreter (before Triton is imported)
         os.environ["TRITON_INTERPRET"] = "1"
     report = Report(Path(args.out) if args.out else None)
     ops = checked = None
@@ -1029,16 +657,13 @@ def main():
             kernels(report, checked, device, dry_run)
         with report.section("sub-warp probe"):
             probe(report, ops, device, dry_run)
-        with report.section("glue"):
-            glue(report, checked, device, dry_run)
+        with report.section("triton"):
+            from deepspeed_qgz import triton_quantizer
+            kernels(report, triton_quantizer, device, dry_run, section="triton", strict=True)
         with report.section("ranks"):
             ranks(report, device, dry_run)
         with report.section("speed"):
             speed(report, ops, checked, device, dry_run)
-        with report.section("fused"):
-            fused(report, checked, device, dry_run)
-        with report.section("fused choice"):
-            fused_choice(report, checked, device, dry_run)
     report.record("total", "seconds", round(time.perf_counter() - report.start, 1))
     report.write()
     print("\n" + report.table())

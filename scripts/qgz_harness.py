@@ -359,15 +359,10 @@ def _tensor_bytes(values) -> int:
 class WorkCounter:
     """Counts the work of a piece of code as a GPU would launch it: dispatched ATen ops (views and
     allocations that write nothing excluded, collectives excluded: CollectiveCounter counts those),
-    quantizer kernel calls (through `counting_quantizer`) and fused Triton launches (quantized_fused's
-    launcher, while the context is entered), and the bytes of the distinct tensors each op or kernel
-    reads or writes (a Triton launch: its tensor arguments and the tensors it reads through a table
-    of addresses). Use as a context manager. With `run_launches` False the Triton launches are
-    counted and not run (their counts come from their arguments; what they would write is left
-    unwritten): for counting fused calls too large for Triton's interpreter."""
+    quantizer kernel calls (through `counting_quantizer`), and the bytes of the distinct tensors each
+    op or kernel reads or writes. Use as a context manager."""
 
-    def __init__(self, run_launches: bool = True):
-        self.run_launches = run_launches
+    def __init__(self):
         self.ops, self.kernel_calls, self.bytes = 0, 0, 0
         self.op_names = {}  # name -> (calls, bytes)
         self._inside_kernel = False  # a quantizer computed in PyTorch: its ops are the kernel's
@@ -394,28 +389,9 @@ class WorkCounter:
 
         self._mode = Mode()
         self._mode.__enter__()
-        from deepspeed_qgz.qgz import quantized_fused
-        self._fused, self._launch = quantized_fused, quantized_fused._launch
-
-        def launch(kernel, grid, args, meta, reads=()):
-            counter._inside_kernel = True
-            try:
-                if counter.run_launches:
-                    self._launch(kernel, grid, args, meta, reads)
-            finally:
-                counter._inside_kernel = False
-            counter.kernel_calls += 1
-            touched = _tensor_bytes(list(args) + list(reads))
-            counter.bytes += touched
-            name = kernel.fn.__name__
-            calls, total = counter.op_names.get(name, (0, 0))
-            counter.op_names[name] = (calls + 1, total + touched)
-
-        quantized_fused._launch = launch
         return self
 
     def __exit__(self, *exc):
-        self._fused._launch = self._launch
         self._mode.__exit__(*exc)
         return False
 

@@ -15,12 +15,10 @@ index arithmetic in ``int`` wraps, and the bindings reinterpret whatever memory 
 (``data_ptr`` cast to the type they expect, whatever the tensor's dtype or device).
 
 This module is the one place those assumptions, the kernels' launch geometry and their swizzle
-order are written down. ``ContractCheckedQuantizer``, through which this package's pipeline calls the op, refuses any
-call that breaks them before the op runs, and so does the pure-PyTorch reference. The CPU op
-checks only what keeps its own memory accesses in bounds, and the warp rule (its copy of the
-launch geometry is tested against this module for every group size the contract allows). The qgZ
-layout (deepspeed_qgz/qgz/quantized_layout.py) satisfies the contract by construction, which
-its property test checks against the functions below.
+order are written down. ``ContractCheckedQuantizer`` refuses any call that breaks them before the op
+runs, and so do the pure-PyTorch reference and this package's Triton op. The CPU op checks only
+what keeps its own memory accesses in bounds, and the warp rule (its copy of the launch geometry is
+tested against this module for every group size the contract allows).
 
 The CUDA binding names the topology arguments ``nodes`` and ``devices_per_node``; here, as in the
 rest of qgZ, they are ``num_nodes`` and ``local_world_size``.

@@ -2,13 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Triton's compiler on this package's Triton kernels, the quantizer op (deepspeed_qgz/triton_quantizer.py)
-and the fused qgZ kernels (deepspeed_qgz/qgz/quantized_fused.py), without a GPU: the launches the
-launchers make, recorded on meta tensors; each specialized as Triton's runtime specializes it and
+"""Triton's compiler on this package's Triton kernels, the quantizer op (deepspeed_qgz/triton_quantizer.py),
+without a GPU: the launches the op makes, recorded on meta tensors; each specialized as Triton's runtime specializes it and
 compiled for an NVIDIA target; its PTX, cubin, resource usage and SASS.
 
 Triton's interpreter never runs its compiler, so this must run in a process without
-TRITON_INTERPRET (test_quantized_fused_compile.py starts one):
+TRITON_INTERPRET (test_qgz_triton_quantizer.py starts one):
 
     python -m unit.qgz_compile --out report.json [--quick]     # from the tests directory
 
@@ -18,7 +17,6 @@ division or transcendental, an FMA or a flush-to-zero instruction.
 """
 
 import argparse
-import itertools
 import json
 import os
 import re
@@ -34,8 +32,7 @@ import torch
 
 # The GPUs the kernels are for: sm_80 (A100), sm_89 (L40S, RTX 40xx), sm_90 (H100, H200).
 ARCHES = (80, 89, 90)
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# What no kernel's PTX may hold (the module docstrings of triton_quantizer.py and quantized_fused.py say why).
+# What no kernel's PTX may hold (the module docstring of triton_quantizer.py says why).
 PTX_FORBIDDEN = {
     "an approximate division or transcendental":
     re.compile(r"\b(div\.(approx|full)|(rcp|sqrt|rsqrt|ex2|lg2|sin|cos|"
@@ -69,8 +66,7 @@ def _rebuild_launch(name, grid, args, meta):
     args = tuple(
         torch.empty(a[2], dtype=getattr(torch, a[1].split(".")[-1]), device="meta"
                     ) if isinstance(a, tuple) and a[:1] == ("tensor", ) else a for a in args)
-    module = quantizer_module() if hasattr(quantizer_module(), name) else fused_module()
-    return Launch(getattr(module, name), grid, args, meta)
+    return Launch(getattr(quantizer_module(), name), grid, args, meta)
 
 
 def quantizer_module():
@@ -80,40 +76,6 @@ def quantizer_module():
     if triton_quantizer.unavailable_reason("cpu") is None:
         raise RuntimeError("TRITON_INTERPRET=1 is set: Triton's compiler needs a process without it")
     return triton_quantizer
-
-
-def fused_module():
-    from deepspeed_qgz.qgz import quantized_fused
-    if quantized_fused.triton is None:
-        raise RuntimeError("Triton is not installed")
-    if quantized_fused.fused_unavailable_reason("cpu") is None:
-        raise RuntimeError("TRITON_INTERPRET=1 is set: Triton's compiler needs a process without it")
-    return quantized_fused
-
-
-def record_launches(layout, dtype: torch.dtype) -> List[Launch]:
-    """The three launches one call makes for `layout` with gradients of `dtype`: the launchers run
-    on meta tensors with quantized_fused._launch recording instead of launching."""
-    fused = fused_module()
-    launches = []
-
-    def record(kernel, grid, args, meta, reads=()):
-        limits = fused.GRID_LIMITS
-        if any(size > limit for size, limit in zip(grid, limits)):
-            raise ValueError(f"{kernel.fn.__name__}: grid {tuple(grid)} is beyond CUDA's limits {limits}")
-        launches.append(Launch(kernel, tuple(grid), tuple(args), dict(meta)))
-
-    saved, fused._launch = fused._launch, record
-    try:
-        tensors = [torch.empty(t.numel, dtype=dtype, device="meta") for t in layout.tensors]
-        fused.quantize_partitions(tensors, layout)
-        world, nodes = layout.world_size, layout.num_nodes
-        fused.reduce_within_node(torch.empty(world, layout.intra.slot_bytes, dtype=torch.int8, device="meta"), layout)
-        fused.average_across_nodes(torch.empty(nodes, layout.inter.slot_bytes, dtype=torch.int8, device="meta"),
-                                   layout, dtype)
-    finally:
-        fused._launch = saved
-    return launches
 
 
 def record_quantizer_launches(calls) -> List[Launch]:
@@ -272,48 +234,6 @@ def ptx_problems(ptx: str) -> List[str]:
 
 TOPOLOGIES = ((1, 2), (2, 1), (3, 2), (5, 2), (7, 1), (2, 8), (3, 8), (2, 16), (16, 2))
 GROUP_SIZES = (136, 264, 520, 1024, 2056, 4096, 4104, 40960)
-DEFAULT_BUCKET = 500_000_000  # ZeRO-3's reduce_bucket_size
-
-
-def largest_single_tensor(num_nodes: int, local_world_size: int, group_size: int, bits: int) -> int:
-    """The most elements one tensor may have for the plan at this topology (the kernels' int32 bound)."""
-    from deepspeed_qgz.qgz.quantized_pipeline import quantized_reduce_plan
-    low, high = 1, 1 << 40
-    while low < high:
-        middle = (low + high + 1) // 2
-        try:
-            quantized_reduce_plan((middle, ), num_nodes, local_world_size, group_size, bits)
-            low = middle
-        except ValueError:
-            high = middle - 1
-    return low
-
-
-def ci_launches(quick: bool = False):
-    """(what, Launch) for every launch of the matrix CI compiles: each topology, dtype, intra-node
-    precision and group size, on a small bucket, DeepSpeed's default bucket size and the largest
-    tensor the plan allows."""
-    from deepspeed_qgz.qgz.quantized_pipeline import quantized_reduce_plan
-    topologies = TOPOLOGIES[:3] if quick else TOPOLOGIES
-    sizes = GROUP_SIZES[:2] if quick else GROUP_SIZES
-    for num_nodes, local in topologies:
-        for group_size in sizes:
-            for bits in (4, 8):
-                largest = largest_single_tensor(num_nodes, local, group_size, bits)
-                buckets = {
-                    "small": (33 * 17, 64 * 48, 5),
-                    "default bucket": (DEFAULT_BUCKET // 4, ) * 4,
-                    "largest tensor": (largest, )
-                }
-                for bucket, numels in buckets.items():
-                    plan = quantized_reduce_plan(numels, num_nodes, local, group_size, bits)
-                    for name, dtype in DTYPES.items():
-                        for _, layout in plan:
-                            what = (f"{num_nodes}x{local}, {name}, {bits}/4, groups of {layout.group_elems} "
-                                    f"(at most {group_size}), {bucket}")
-                            for launch in record_launches(layout, dtype):
-                                yield what, launch
-
 
 SERIES_EXCHANGE_VALUES = 2**27  # the series' quant_reduce_exchange_values: the values one exchange stages
 QWZ_GROUP_SIZES = (128, 2048, 4000, 8000, 16000)  # CUDAQuantizer's groups (qwZ) are at most 16000 values
@@ -378,9 +298,9 @@ def check(quick: bool = False, workers: int = 2) -> dict:
     and returns the report."""
     variants, seen_by, largest_grid = {}, {}, 0
     problems = []
-    quantizer_launches = ((what, launch) for what, call in quantizer_calls(quick)
-                          for launch in record_quantizer_launches([call]))
-    for what, launch in itertools.chain(ci_launches(quick), quantizer_launches):
+    launches = ((what, launch) for what, call in quantizer_calls(quick)
+                for launch in record_quantizer_launches([call]))
+    for what, launch in launches:
         largest_grid = max(largest_grid, launch.grid[0])
         for arch in ARCHES:
             key = variant_key(launch, arch)

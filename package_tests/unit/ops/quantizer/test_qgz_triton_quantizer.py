@@ -5,12 +5,18 @@
 """This package's Triton quantizer op (deepspeed_qgz/triton_quantizer.py), in Triton's interpreter:
 bit for bit the PyTorch statement of the CUDA kernels (deepspeed_qgz/qgz/qgz_reference.py) on every
 call the kernels' contract allows, refusing the others; every output byte written; its self-check;
-and the series' all_to_all_quant_reduce on it equal to the series on the CPU op. (Triton's compiler
-on its kernels: test_quantized_fused_compile.py.)"""
+the series' all_to_all_quant_reduce on it equal to the series on the CPU op; and, without a GPU,
+every variant its launchers make for the series' and qwZ's calls compiled by Triton's compiler for
+sm_80, sm_89 and sm_90 (in a process without TRITON_INTERPRET: unit/qgz_compile.py), where a compile
+error, a grid beyond CUDA's limits, a register spill, or an approximate division, an FMA or a
+flush-to-zero instruction in the PTX fails."""
 
+import json
+import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +29,9 @@ from deepspeed_qgz.qgz import qgz_reference as ref
 from unit.common import DistributedTest
 from unit.qgz_util import cluster_inputs, device, quantizer, same_values, simulated_nodes
 
-pytestmark = pytest.mark.skipif(tq.triton is None or tq.unavailable_reason("cpu") is not None,
-                                reason="runs the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1)")
+needs_triton = pytest.mark.skipif(tq.triton is None, reason="Triton is not installed")
+interpreted = pytest.mark.skipif(tq.triton is None or tq.unavailable_reason("cpu") is not None,
+                                 reason="runs the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1)")
 
 SPECIALS = [0.0, -0.0, 65504.0, -65504.0, 6e-8, -6e-8, 1e-4, float("inf"), float("-inf"), float("nan")]
 
@@ -70,6 +77,7 @@ def check_call(name, *args):
     return want
 
 
+@interpreted
 @settings(max_examples=60, deadline=None)
 @given(layout=layouts(), out_split=st.sampled_from([1, 2]))
 def test_ops_match_reference_bit_for_bit(layout, out_split):
@@ -84,6 +92,7 @@ def test_ops_match_reference_bit_for_bit(layout, out_split):
         check_call("dequantize", reduced[0], reduced[1], reduced[1].numel(), bits, tq.Symmetric)
 
 
+@interpreted
 @pytest.mark.parametrize("elems, groups", [(128, 256), (512, 64), (2048, 8), (4104, 4), (8000, 3), (16384, 2)])
 def test_quantize_matches_reference_bit_for_bit(elems, groups):
     """qwZ's quantize, in groups of any size the kernel takes (DeepSpeed's CUDAQuantizer makes groups of
@@ -95,6 +104,7 @@ def test_quantize_matches_reference_bit_for_bit(elems, groups):
     check_call("dequantize", codes.view(-1), scales, groups, 8, tq.Symmetric)
 
 
+@interpreted
 def test_every_output_byte_is_written(monkeypatch):
     """Outputs allocated full of either of two poisons come back the reference's."""
     x = (torch.randn(6 * 2 * 4104) * 3).half()
@@ -153,6 +163,7 @@ except RuntimeError as error:
 """
 
 
+@interpreted
 def test_the_first_call_of_each_variant_is_checked_against_the_reference():
     """A kernel whose bits differ from the reference's is refused, on every call until a call of its
     variant agrees; a variant checked once runs alone; another variant is checked again."""
@@ -173,6 +184,7 @@ def test_the_first_call_of_each_variant_is_checked_against_the_reference():
     ]
 
 
+@interpreted
 def test_refusals_name_the_values():
     x = torch.zeros(6 * 136, dtype=torch.half)
     with pytest.raises(ValueError, match="symmetrically only .* got quant_type 1"):
@@ -186,6 +198,7 @@ def test_refusals_name_the_values():
     assert "not on xpu" in tq.unavailable_reason("xpu")
 
 
+@interpreted
 class TestSeriesOnTritonOp(DistributedTest):
     """The series' all_to_all_quant_reduce with the Triton op as its quantizer gives, on every rank,
     bit for bit what it gives with the CPU op (both state the CUDA kernels), for the report's
@@ -221,3 +234,42 @@ class TestSeriesOnTritonOp(DistributedTest):
                 assert got.shape == want.shape and got.dtype == want.dtype
                 assert bool(same_values(got, want).all())
         assert results["triton"][0][1].isnan().all(), "an inf on one rank is NaN in every partition"
+
+
+@needs_triton
+def test_every_variant_compiles_for_every_target(tmp_path):
+    tests = Path(__file__).resolve().parents[3]  # the directory that holds unit/
+    report_path = tmp_path / "report.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-m", "unit.qgz_compile", "--out",
+                    str(report_path)],
+                   cwd=tests,
+                   env=env,
+                   check=True,
+                   timeout=1200)
+    report = json.loads(report_path.read_text())
+    assert not report["problems"], "\n".join(report["problems"])
+    from unit import qgz_compile
+    compiled = {(entry["variant"].split()[0], entry["variant"].split()[1]) for entry in report["compiled"]}
+    kernels = ("_quantize_kernel", "_quantized_reduction_kernel", "_dequantize_kernel")
+    assert compiled == {(kernel, f"sm_{arch}") for kernel in kernels for arch in qgz_compile.ARCHES}
+    assert 0 < report["largest_grid"] <= tq.GRID_LIMIT
+
+
+@needs_triton
+@pytest.mark.parametrize("ptx, problem", [
+    ("div.full.f32 %f3, %f1, %f2;", "an approximate division"),
+    ("rcp.approx.ftz.f32 %f2, %f1;", "an approximate division"),
+    ("fma.rn.f32 %f4, %f1, %f2, %f3;", "an FMA"),
+    ("cvt.rmi.ftz.f32.f32 %f2, %f1;", "a flush-to-zero instruction"),
+])
+def test_the_ptx_check_names_each_problem(ptx, problem):
+    from unit import qgz_compile
+    assert any(problem in found for found in qgz_compile.ptx_problems(ptx))
+    assert not qgz_compile.ptx_problems("div.rn.f32 %f3, %f1, %f2;\nmul.rn.f32 %f4, %f1, %f2;")
+
+
+@needs_triton
+def test_a_grid_beyond_cudas_limits_is_refused():
+    with pytest.raises(ValueError, match="2147483648 programs exceed CUDA's grid limit 2147483647"):
+        tq._launch(tq._dequantize_kernel, 2**31, (), {})
