@@ -216,7 +216,8 @@ def summary_class(cls: str) -> str:
 @lru_cache(maxsize=None)
 def source_loops(path: str):
     """Every `for` of the kernel module: (first line, last line, the trips expression, the step
-    expression of its range), from the `# trips:` note on its header."""
+    expression of its range, None for a loop not to be unrolled), from the `# trips:` note on its
+    header."""
     text = Path(path).read_text()
     lines = text.splitlines()
     loops = []
@@ -230,6 +231,11 @@ def source_loops(path: str):
         note = next((line.split("# trips:", 1)[1].strip() for line in header if "# trips:" in line), None)
         call = node.iter
         step = ast.unparse(call.args[2]) if isinstance(call, ast.Call) and len(call.args) > 2 else "1"
+        # a loop Triton is told not to unroll runs once per source iteration: its step needs no
+        # reading off the SASS, whose induction variable the compiler may count in bytes
+        if isinstance(call, ast.Call) and any(k.arg == "loop_unroll_factor" and ast.unparse(k.value) == "1"
+                                              for k in call.keywords):
+            step = None
         loops.append((node.lineno, node.end_lineno, note, step))
     return loops
 
@@ -346,6 +352,9 @@ def loop_weights(dis, path, arguments):
         if source is None or not holds[source] or source[2] is None:
             raise ValueError(f"SASS loop at {branch.address:#x} (lines {branch.lines}) maps to no `for` with a "
                              "`# trips:` note")
+        if source[3] is None:
+            loops.append((first, k, source, 1))
+            continue
         step = _induction_step(ins[first:k + 1], branch, ins[:first])
         if step is None:
             step = _exit_induction_step(ins[first:k + 1], ins[:first])

@@ -12,7 +12,8 @@ the environment, that imports the carried modules in place of the installed Deep
 the hunks as it imports the edited modules. It plugs its own quantizer ops into DeepSpeed's code
 through the quantizer op DeepSpeed caches: its Triton kernels with ``DS_QGZ_QUANTIZER=triton``
 (``triton_quantizer``), and on DeepSpeed's CPU accelerator, which has no quantizer op, its C++ one
-(``cpu_quantizer``). Its earlier qgZ pipeline and fused kernels (``qgz``) are not run by training. Nothing of DeepSpeed's own installation is modified; ``pip uninstall
+(``cpu_quantizer``); ``qgz`` holds the kernels' contract and the PyTorch statement of them that both
+ops are tested against. Nothing of DeepSpeed's own installation is modified; ``pip uninstall
 deepspeed-qgz`` restores it completely.
 
 ``DS_QGZ_OVERLAY=0`` switches the overlay off for a process (and the processes it starts);

@@ -68,7 +68,7 @@ def status(_args):
         return 0
     if chosen == "triton":
         from . import triton_quantizer
-        reason = triton_quantizer.unavailable_reason(device if device == "cuda" else "cpu")
+        reason = triton_quantizer.unavailable_reason(device)
         print("runs here" if reason is None else f"does NOT run here: {reason}")
         return 0 if reason is None else 1
     from .cpu_quantizer import QuantizerBuilder

@@ -96,10 +96,9 @@ def _announce_first_call(fn, origin):
     def wrapper(*args, **kwargs):
         if not _AnnouncingLoader.announced:
             _AnnouncingLoader.announced = True
-            from deepspeed.accelerator import get_accelerator
             from deepspeed.utils.logging import log_dist
-            quantizer = chosen_quantizer(get_accelerator().device_name())[0]
-            log_dist(f"qgZ overlay active: {overlay_state()[1]}, quantizer op {quantizer} ({origin})", ranks=[0])
+            log_dist(f"qgZ overlay active: {overlay_state()[1]}, quantizer op {cached_quantizer()} ({origin})",
+                     ranks=[0])
         return fn(*args, **kwargs)
 
     return wrapper
@@ -171,6 +170,19 @@ def chosen_quantizer(device_name: str):
     if device_name == "cpu":
         return "cpu", QUANTIZERS["cpu"]
     return "deepspeed", None
+
+
+def cached_quantizer() -> str:
+    """The quantizer op qgZ's cache holds: "triton" or "cpu" (this package's), "deepspeed" (None
+    until first use, when DeepSpeed loads its own), or the name of one set there by a caller (a
+    module's or a class's, such as NPUQuantizer)."""
+    from deepspeed.runtime.comm import coalesced_collectives
+    cached = coalesced_collectives.quantizer_module
+    if cached is None:
+        return "deepspeed"
+    return next((name for name, op in QUANTIZERS.items() if cached is op),
+                getattr(cached, "__name__",
+                        type(cached).__name__))
 
 
 def plug_in_quantizer(holder, attribute):

@@ -16,18 +16,20 @@ What it changes against DeepSpeed's CUDA op: nothing to build with nvcc (Triton 
 when first launched); divisions rounded as IEEE defines them (the CUDA op is built with
 ``--use_fast_math``, whose divisions may differ in the last bit of a scale); statistics reduced over
 whole tiles, never over lanes that do not exist. What it does not change: one launch per call, the
-bytes each call reads and writes, and the calls it accepts (the contract's, so that what runs here
-runs on the CUDA op too). Whether it is faster or slower on a GPU has not been measured.
+bytes each call writes and, for groups of at most 4096 values, reads (a larger group is read twice,
+below), and the calls it accepts (the contract's, so that what runs here runs on the CUDA op too).
+Whether it is faster or slower on a GPU has not been measured.
 
 Geometry: a program of 8 warps holds a tile of ``ROWS`` whole groups of ``BLOCK`` lanes (``BLOCK`` the
 power of two at least the group, ``ROWS * BLOCK = TILE``, 16 values a thread) and reduces each group's
 statistics, or loads its parameter, once; a group of more than ``TILE`` values takes one program,
 which reads it in steps of ``TILE`` values twice, once for its statistics and once to quantize it
-(quantized_reduction recomputes its sums then). Programs lie on grid axis 0. Codes are rounded by adding 1.5 * 2**23 and reading the integer off the sum's
-bits (half to even, no float-to-int conversion of a NaN); every loop notes its trips for
-benchmarks/qgz_roofline.py; every launch passes
-``enable_fp_fusion=False``, since a contracted ``x * scale + 1.5 * 2**23`` would round once instead
-of twice.
+(quantized_reduction recomputes its sums then). Programs lie on grid axis 0. Every loop is left
+rolled (``loop_unroll_factor=1``) and notes its trips for benchmarks/qgz_roofline.py.
+
+Rounding: codes are rounded by adding 1.5 * 2**23 and reading the integer off the sum's bits (half to
+even, no float-to-int conversion of a NaN); every launch passes ``enable_fp_fusion=False``, since a
+contracted ``x * scale + 1.5 * 2**23`` would round once instead of twice.
 
 Self-check: the first call of each compiled variant in a process (at least what Triton compiles a
 binary for: the kernel, its constexprs, which integer arguments are 1 or multiples of 16 and which
@@ -187,7 +189,7 @@ if triton is not None:
         else:
             largest = tl.zeros([ROWS], tl.int32)
             seen = tl.zeros([ROWS], tl.int32)
-            for step in range(0, group_elems, BLOCK):  # trips: -(-group_elems // BLOCK)
+            for step in tl.range(0, group_elems, BLOCK, loop_unroll_factor=1):  # trips: -(-group_elems // BLOCK)
                 lanes = step + tl.arange(0, BLOCK)[None, :]
                 live = live_rows[:, None] & (lanes < group_elems)
                 values = tl.load(row_in + lanes, mask=live, other=0.0).to(tl.float32)
@@ -195,7 +197,7 @@ if triton is not None:
                 largest = tl.maximum(largest, step_largest)
                 seen = tl.maximum(seen, step_seen)
             scale = _scale(largest, seen, padded, BITS)
-            for step in range(0, group_elems, BLOCK):  # trips: -(-group_elems // BLOCK)
+            for step in tl.range(0, group_elems, BLOCK, loop_unroll_factor=1):  # trips: -(-group_elems // BLOCK)
                 lanes = step + tl.arange(0, BLOCK)[None, :]
                 live = live_rows[:, None] & (lanes < group_elems)
                 values = tl.load(row_in + lanes, mask=live, other=0.0).to(tl.float32)
@@ -208,8 +210,7 @@ if triton is not None:
                                     ROWS: tl.constexpr, BLOCK: tl.constexpr, PASSES: tl.constexpr,
                                     SAME_GROUPS: tl.constexpr):
         """quantized_reduction: output group by output group, the devices' tensors dequantized to fp16
-        and added in fp16 in device order from +0 (an fp32 sum of two fp16 values is exact, so rounding
-        it is the fp16 add), then requantized. In PASSES 1 a step holds whole groups; in PASSES 2 the
+        and added in fp16 (one IEEE fp16 addition each) in device order from +0, then requantized. In PASSES 1 a step holds whole groups; in PASSES 2 the
         steps over a group take its statistics, then recompute its sums to quantize them. With
         SAME_GROUPS the input groups are the output groups; otherwise each value's is looked up."""
         group = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -223,12 +224,12 @@ if triton is not None:
         steps = tl.cdiv(out_group_elems, BLOCK)
         largest = tl.zeros([ROWS], tl.int32)
         seen = tl.zeros([ROWS], tl.int32)
-        for k in range(0, steps * PASSES):  # trips: -(-out_group_elems // BLOCK) * PASSES
+        for k in tl.range(0, steps * PASSES, loop_unroll_factor=1):  # trips: -(-out_group_elems // BLOCK) * PASSES
             step = (k % steps) * BLOCK
             lanes = step + tl.arange(0, BLOCK)[None, :]
             live = live_rows[:, None] & (lanes < out_group_elems)
-            values = tl.zeros([ROWS, BLOCK], tl.float32)
-            for device in range(0, local_world_size):  # trips: local_world_size
+            sums = tl.zeros([ROWS, BLOCK], tl.float16)
+            for device in tl.range(0, local_world_size, loop_unroll_factor=1):  # trips: local_world_size
                 codes = _load_codes(data + device * bytes_per_device + row_byte, step, live, BITS, ROWS, BLOCK)
                 device_scales = scales + device * groups_per_device
                 if SAME_GROUPS:
@@ -237,7 +238,8 @@ if triton is not None:
                     param = tl.load(device_scales + first_in + (in_offset + lanes) // in_group_elems,
                                     mask=live,
                                     other=0.0)
-                values = (values + (codes * param).to(tl.float16).to(tl.float32)).to(tl.float16).to(tl.float32)
+                sums += (codes * param).to(tl.float16)
+            values = sums.to(tl.float32)
             if k < steps:
                 step_largest, step_seen = _largest(values, live)
                 largest = tl.maximum(largest, step_largest)
@@ -257,7 +259,7 @@ if triton is not None:
         param = tl.load(group_params + group, mask=live_rows, other=0.0)[:, None]
         row_data = data + tl.multiple_of(group * group_elems * BITS // 8, BITS)[:, None]
         row_out = out + tl.multiple_of(group * group_elems, 8)[:, None]
-        for step in range(0, group_elems, BLOCK):  # trips: -(-group_elems // BLOCK)
+        for step in tl.range(0, group_elems, BLOCK, loop_unroll_factor=1):  # trips: -(-group_elems // BLOCK)
             lanes = step + tl.arange(0, BLOCK)[None, :]
             live = live_rows[:, None] & (lanes < group_elems)
             values = _load_codes(row_data, step, live, BITS, ROWS, BLOCK) * param
@@ -349,7 +351,9 @@ def _quantize(op, x, num_groups, num_bits, pipeline_size, num_nodes, local_world
 
 
 def quantize(x, num_groups, num_bits, quant_type):
-    """DeepSpeed's quantize (qwZ's weights): `num_groups` equal groups of fp16 `x`, in place order."""
+    """DeepSpeed's quantize (qwZ's weights): `num_groups` equal groups of fp16 `x`, in place order.
+    The parameters come back flat, as the CPU op returns them (the CUDA op's are [groups, 1]): qwZ's
+    gathers all-gather them into a flat buffer, which gloo refuses from another shape."""
     _require_symmetric("quantize", quant_type)
     contract.require(
         contract.tensor_violations(input=(x, "torch.float16")) +
@@ -358,8 +362,9 @@ def quantize(x, num_groups, num_bits, quant_type):
     out_shape = list(x.shape)
     out_shape[-1] //= contract.values_per_byte(num_bits)
     stat_slots = contract.quantize_stat_slots(x.numel() // num_groups)
-    return _quantize("quantize", x, num_groups, num_bits, 1, 1, 1, stat_slots, out_shape,
-                     lambda: reference.quantize(x, num_groups, num_bits, quant_type))
+    codes, params = _quantize("quantize", x, num_groups, num_bits, 1, 1, 1, stat_slots, out_shape,
+                              lambda: reference.quantize(x, num_groups, num_bits, quant_type))
+    return codes, params.view(-1)
 
 
 def swizzle_quant(x, num_groups, num_bits, quant_type, pipeline_size, num_nodes, local_world_size):

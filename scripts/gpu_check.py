@@ -600,7 +600,7 @@ def speed(report, ops, checked, device, dry_run):
 
 
 def roofline_ceilings(device, group_elems):
-    """{call: "N% of GPU's HBM, G GB/s"}: the Triton op's static roofline ceiling for each of the
+    """{call: "N% of GPU's HBM, G GB/s of fp16 values"}: the Triton op's static roofline ceiling for each of the
     series' 4/4 calls at 3x2 in groups of `group_elems` values (benchmarks/qgz_roofline.py, run
     without TRITON_INTERPRET: it compiles) on this GPU, or the modeled GPU of its architecture (H100
     in a dry run); {} for groups the series does not make."""
@@ -626,9 +626,12 @@ def roofline_ceilings(device, group_elems):
                        check=True,
                        stdout=subprocess.DEVNULL)
         rows = json.loads(out.read_text())
-    hbm = qgz_roofline.GPUS[gpu]["hbm"] / 1e9
+    hbm = qgz_roofline.GPUS[gpu]["hbm"]
+    # in the speed rows' unit: GB/s of the exchange's fp16 values (the roofline's bytes are per value)
     return {
-        r["call"]: f"{r['ceiling_percent']:.0f}% of {gpu}'s HBM, {r['ceiling_percent'] * hbm / 100:.0f} GB/s"
+        r["call"]:
+        f"{r['ceiling_percent']:.0f}% of {gpu}'s HBM, "
+        f"{r['ceiling_percent'] / 100 * hbm / r['bytes_per_value'] * 2 / 1e9:.0f} GB/s of fp16 values"
         for r in rows
     }
 

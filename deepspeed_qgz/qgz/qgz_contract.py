@@ -341,17 +341,6 @@ def dequantize_violations(numel: int,
     return problems
 
 
-def call_violations(kernel: str, sizes: tuple) -> List[str]:
-    """The violations of a call of `kernel` ("swizzle_quant", "quantized_reduction", "dequantize")
-    described by the size arguments its *_violations function takes, in order."""
-    return {
-        "quantize": quantize_violations,
-        "swizzle_quant": swizzle_quant_violations,
-        "quantized_reduction": quantized_reduction_violations,
-        "dequantize": dequantize_violations,
-    }[kernel](*sizes)
-
-
 def require(problems: List[str], op: str) -> None:
     if problems:
         raise ValueError(f"{op}: call outside the quantizer kernels' contract: " + "; ".join(problems))
@@ -440,8 +429,3 @@ class ContractCheckedQuantizer:
 
     def dequantize_fp32(self, data, params, num_groups, num_bits, quant_type):
         return self._dequantize("dequantize_fp32", 4, data, params, num_groups, num_bits, quant_type)
-
-
-def checked(ops) -> ContractCheckedQuantizer:
-    """`ops` behind the contract checks (itself if it already is)."""
-    return ops if isinstance(ops, ContractCheckedQuantizer) else ContractCheckedQuantizer(ops)

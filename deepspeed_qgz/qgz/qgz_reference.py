@@ -197,7 +197,8 @@ def quantized_reduction_beyond_contract(data: torch.Tensor, scales: torch.Tensor
         base = device * groups_per_tensor
         params = flat_params[base:base + groups_per_tensor * width].reshape(groups_per_tensor, width)
         values = _dequantize_rows(codes, params, asymmetric).half().reshape(-1)
-        # fp32 holds the exact sum of two fp16 values, so rounding it once is the fp16 add.
+        # The fp32 sum of two fp16 values rounded to fp16 is their fp16 sum: fp32's 24 bits are at
+        # least 2 * 11 + 2, so rounding twice is harmless.
         total = (total.float() + values.float()).half()
 
     out_elems = values_per_tensor // out_groups

@@ -30,6 +30,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from deepspeed_qgz.qgz.qgz_contract import quantized_reduction_violations
+
 # The GPUs the kernels are for: sm_80 (A100), sm_89 (L40S, RTX 40xx), sm_90 (H100, H200).
 ARCHES = (80, 89, 90)
 # What no kernel's PTX may hold (the module docstring of triton_quantizer.py says why).
@@ -260,9 +262,17 @@ def quantizer_calls(quick: bool = False):
                     yield what, ("swizzle_quant", (meta(world * group * per_rank), world * per_rank, bits, 0, 1,
                                                    num_nodes, local))
                     if bits == 4:
-                        yield what, ("quantized_reduction", (meta(world * group * per_rank // 2,
-                                                                  torch.int8), meta(world * per_rank, torch.float32),
-                                                             world * per_rank, node_groups, 4, 0, local))
+                        codes, scales = meta(world * group * per_rank // 2,
+                                             torch.int8), meta(world * per_rank, torch.float32)
+                        yield what, ("quantized_reduction", (codes, scales, world * per_rank, node_groups, 4, 0,
+                                                             local))
+                        # out-groups of three in-groups each: the per-value parameter lookup, which the
+                        # series' calls (out-groups of one in-group) never compile
+                        if per_rank == 3 and not quantized_reduction_violations(
+                                codes.numel(), scales.numel(), world * per_rank, num_nodes, 4, 0, local):
+                            yield what + ", out-groups of 3 in-groups", ("quantized_reduction",
+                                                                         (codes, scales, world * per_rank, num_nodes,
+                                                                          4, 0, local))
                     else:
                         yield what, ("dequantize", (meta(node_groups * group,
                                                          torch.int8), meta(node_groups,

@@ -6,8 +6,9 @@
 (upstream/; the overlay applies its hunks of partition_parameters.py, and CI runs the series' own
 tests on it): the quantized all-gather on worlds of simulated nodes (with and without hpZ,
 trainable and non-trainable weights kept quantized), and ZeRO++'s whole recipe (qwZ + hpZ + qgZ)
-training."""
+training, on the accelerator's quantizer op and on this package's Triton op."""
 
+import contextlib
 import math
 
 import pytest
@@ -73,6 +74,20 @@ def zero_config(precision, lr=1e-3, **zero):
 
 
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@contextlib.contextmanager
+def quantizer_caches(op):
+    """qgZ's and qwZ's quantizer op caches set to `op` inside (None: left as they are)."""
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
+    saved = coalesced_collectives.quantizer_module, CUDAQuantizer.quantizer_cuda_module
+    if op is not None:
+        coalesced_collectives.quantizer_module = CUDAQuantizer.quantizer_cuda_module = op
+    try:
+        yield
+    finally:
+        coalesced_collectives.quantizer_module, CUDAQuantizer.quantizer_cuda_module = saved
 
 
 def usable_precisions():
@@ -153,15 +168,24 @@ class TestQuantizedWeights5Nodes2Ranks(QuantizedWeightsTests, DistributedTest):
 
 class TestZeroPlusPlusRecipe3Nodes2Ranks(DistributedTest):
     """ZeRO++ as its tutorial configures it (quantized weights, hpZ inside the node, quantized
-    gradients) trains on 3 nodes x 2 ranks next to plain ZeRO-3, from the same weights and data."""
+    gradients) trains on 3 nodes x 2 ranks next to plain ZeRO-3, from the same weights and data; on
+    this package's Triton op (where it runs: in Triton's interpreter on a CPU) its losses are the
+    accelerator's op's, bit for bit (both state the CUDA kernels)."""
     world_size = 6
     reuse_dist_env = True
 
     @pytest.mark.parametrize("precision", ["bf16", "fp32"])
     def test_recipe_trains_next_to_zero3(self, precision):
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed_qgz import triton_quantizer
         steps, losses = 8, {}
-        for recipe in ("zero3", "zero++"):
-            with simulated_nodes(2):
+        recipes = ["zero3", "zero++"]
+        if triton_quantizer.triton is not None and triton_quantizer.unavailable_reason(
+                torch.device(get_accelerator().current_device_name()).type) is None:
+            recipes.append("zero++ on the Triton op")
+        for recipe in recipes:
+            op = triton_quantizer if recipe.endswith("Triton op") else None
+            with simulated_nodes(2), quantizer_caches(op):
                 torch.manual_seed(2)
                 model = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.ReLU(), torch.nn.Linear(53, 37))
                 zero = {} if recipe == "zero3" else {
@@ -187,3 +211,5 @@ class TestZeroPlusPlusRecipe3Nodes2Ranks(DistributedTest):
         # the recipe tracks plain ZeRO-3: within 5% of the starting loss at every step
         for ours, reference in zip(losses["zero++"], losses["zero3"]):
             assert abs(ours - reference) <= 0.05 * losses["zero3"][0], losses
+        if "zero++ on the Triton op" in losses:
+            assert losses["zero++ on the Triton op"] == losses["zero++"], losses
