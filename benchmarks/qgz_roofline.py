@@ -31,9 +31,10 @@ rate; global memory against HBM bandwidth. GPUs (NVIDIA's data sheets): A100 SXM
 SMs, 1410 MHz boost, 2039 GB/s), H100 SXM5 (sm_90, 132 SMs, 1980 MHz, 3350 GB/s), H200 SXM (sm_90, 132
 SMs, 1980 MHz, 4800 GB/s), L40S (sm_89, 142 SMs, 2520 MHz, 864 GB/s).
 
-What it leaves out: latencies and occupancy (see the registers column), shared-memory bank conflicts, cache effects, the load-store unit's own rate
-(not in the table), the tail of a launch. A ceiling is what the instruction mix allows, not a
-measured speed; scripts/gpu_check.sh measures each kernel's GB/s beside it.
+What it leaves out: latencies and occupancy (see the registers column), shared-memory bank
+conflicts, cache effects, the load-store unit's own rate (not in the table), the tail of a launch.
+A ceiling is what the instruction mix allows, not a measured speed; scripts/gpu_check.sh measures
+each kernel's GB/s beside it.
 
     python benchmarks/qgz_roofline.py [--out DIR] [--quick]
     python benchmarks/qgz_roofline.py --case GPU NODESxGPUS BITS GROUP --case-out FILE   # one case's calls (JSON)

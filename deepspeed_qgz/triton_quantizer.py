@@ -210,9 +210,10 @@ if triton is not None:
                                     ROWS: tl.constexpr, BLOCK: tl.constexpr, PASSES: tl.constexpr,
                                     SAME_GROUPS: tl.constexpr):
         """quantized_reduction: output group by output group, the devices' tensors dequantized to fp16
-        and added in fp16 (one IEEE fp16 addition each) in device order from +0, then requantized. In PASSES 1 a step holds whole groups; in PASSES 2 the
-        steps over a group take its statistics, then recompute its sums to quantize them. With
-        SAME_GROUPS the input groups are the output groups; otherwise each value's is looked up."""
+        and added in fp16 (one IEEE fp16 addition each) in device order from +0, then requantized. In
+        PASSES 1 a step holds whole groups; in PASSES 2 the steps over a group take its statistics,
+        then recompute its sums to quantize them. With SAME_GROUPS the input groups are the output
+        groups; otherwise each value's is looked up."""
         group = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live_rows = group < out_groups
         group = tl.where(live_rows, group, 0)  # rows past the last read the first group, and store nothing

@@ -2,9 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Triton's compiler on this package's Triton kernels, the quantizer op (deepspeed_qgz/triton_quantizer.py),
-without a GPU: the launches the op makes, recorded on meta tensors; each specialized as Triton's runtime specializes it and
-compiled for an NVIDIA target; its PTX, cubin, resource usage and SASS.
+"""Triton's compiler on this package's Triton quantizer op (deepspeed_qgz/triton_quantizer.py), without a
+GPU: the launches the op makes, recorded on meta tensors; each specialized as Triton's runtime
+specializes it and compiled for an NVIDIA target; its PTX, cubin, resource usage and SASS.
 
 Triton's interpreter never runs its compiler, so this must run in a process without
 TRITON_INTERPRET (test_qgz_triton_quantizer.py starts one):
