@@ -11,8 +11,8 @@ For a ``deepspeed.*`` module the hook supplies, in this order:
 * upstream's file with the patch's edits applied (``upstream_edits``), for a module it edits.
 After qgZ's collectives and qwZ's partitioning are imported, their quantizer op is the one
 ``DS_QGZ_QUANTIZER`` chooses (``AFTER_IMPORT``, ``plug_in_quantizer``): this package's Triton op, or
-DeepSpeed's own except on the CPU accelerator, which has none and takes this package's. Every other module is left to
-the normal import system."""
+DeepSpeed's own except on the CPU accelerator, which has none and takes this package's CPU op. Every
+other module is left to the normal import system."""
 
 import functools
 import importlib.abc
