@@ -77,6 +77,9 @@ def unavailable_reason(device_type: str) -> Optional[str]:
                                          "TRITON_INTERPRET=1 must be set before Triton is first imported")
     if device_type != "cuda":
         return f"the Triton kernels run on CUDA devices (and on CPU under TRITON_INTERPRET=1), not on {device_type}"
+    if torch.version.hip:
+        return (f"ROCm {torch.version.hip}: the Triton kernels are compiled and checked for NVIDIA GPUs only "
+                "(sm_80, sm_89, sm_90)")
     if interpreted:
         return "TRITON_INTERPRET=1 runs the Triton kernels on the CPU: unset it for CUDA tensors"
     return None

@@ -224,6 +224,13 @@ def test_refusals_name_the_values():
     assert "not on xpu" in tq.unavailable_reason("xpu")
 
 
+@needs_triton
+def test_rocm_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2.4")
+    assert "ROCm 6.2.4: the Triton kernels are compiled and checked for NVIDIA GPUs only" in tq.unavailable_reason(
+        "cuda")
+
+
 @interpreted
 class TestSeriesOnTritonOp(DistributedTest):
     """The series' all_to_all_quant_reduce with the Triton op as its quantizer gives, on every rank,
