@@ -180,9 +180,10 @@ def cached_quantizer() -> str:
     cached = coalesced_collectives.quantizer_module
     if cached is None:
         return "deepspeed"
-    return next((name for name, op in QUANTIZERS.items() if cached is op),
-                getattr(cached, "__name__",
-                        type(cached).__name__))
+    for name, op in QUANTIZERS.items():
+        if cached is op:  # by identity: reading an attribute of this package's op would load it
+            return name
+    return getattr(cached, "__name__", type(cached).__name__)
 
 
 def plug_in_quantizer(holder, attribute):

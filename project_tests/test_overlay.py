@@ -102,11 +102,15 @@ def test_first_call_logs_overlay_version_once_on_rank_0():
             f"import sys; sys.path.insert(0, {str(SCRIPTS_DIR)!r})\n"
             "from qgz_harness import release_deepspeed_shm; release_deepspeed_shm()\n"
             "from deepspeed.runtime.zero import stage3\n"
-            "for _ in range(2): stage3.reduce_scatter_coalesced([torch.ones(4)])\n")
+            "for _ in range(2): stage3.reduce_scatter_coalesced([torch.ones(4)])\n"
+            "from deepspeed.ops.op_builder import OpBuilder\n"
+            "print('loaded', sorted(name for name in OpBuilder._loaded_ops if name.startswith('quantizer')))\n")
     out = python(code, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     lines = [line for line in out.splitlines() if "qgZ overlay active" in line]
     expected = f"deepspeed-qgz {deepspeed_qgz.__version__} on deepspeed 0.19.8, quantizer op cpu"
     assert len(lines) == 1 and "[Rank 0]" in lines[0] and expected in lines[0]
+    # naming the op in the log line does not load it: a reduce-scatter needs no quantizer
+    assert "loaded []" in out.splitlines()
 
 
 def test_an_edit_that_no_longer_matches_fails_loudly():
