@@ -148,9 +148,10 @@ def _load_triton_op():
     return triton_quantizer
 
 
-# The quantizer ops DS_QGZ_QUANTIZER chooses from: "triton" (deepspeed_qgz/triton_quantizer.py, on any
-# accelerator), or, unset or "deepspeed", DeepSpeed's own op, except on the CPU accelerator, which has
-# none and takes this package's (deepspeed_qgz/cpu_quantizer.py).
+# The quantizer ops DS_QGZ_QUANTIZER chooses from: "triton" (deepspeed_qgz/triton_quantizer.py, plugged
+# in on any accelerator; it runs on NVIDIA GPUs, and on the CPU in Triton's interpreter, and refuses
+# other devices at its first call, naming why), or, unset or "deepspeed", DeepSpeed's own op, except on
+# the CPU accelerator, which has none and takes this package's (deepspeed_qgz/cpu_quantizer.py).
 QUANTIZERS = {"triton": _OpOnFirstUse(_load_triton_op), "cpu": _OpOnFirstUse(_load_cpu_op)}
 
 

@@ -20,8 +20,8 @@ class QuantizerBuilder(CPUOpBuilder):
     """The quantizer ops (quantize, swizzle_quant, quantized_reduction, dequantize, dequantize_fp32)
     for the CPU accelerator, numerically identical to the CUDA QuantizerBuilder's (which
     deepspeed_qgz/qgz/qgz_reference.py states in PyTorch). ZeRO-3's qgZ and qwZ call them as they
-    call the CUDA op; the op itself checks its own bounds and the warp rule (this package's pipeline
-    calls it through deepspeed_qgz/qgz/qgz_contract.py's ContractCheckedQuantizer)."""
+    call the CUDA op; the op itself checks its own bounds and the warp rule (this package's tests and
+    benchmarks call it through deepspeed_qgz/qgz/qgz_contract.py's ContractCheckedQuantizer)."""
     BUILD_VAR = "DS_BUILD_QUANTIZER"
     # Distinct from the CUDA op's name: OpBuilder caches loaded ops by name across builder classes.
     NAME = "quantizer_cpu"

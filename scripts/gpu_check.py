@@ -490,6 +490,8 @@ def rank_worker(dry_run):
             mine = [t.to(device) for t in inputs[rank]]
             results = cc.all_to_all_quant_reduce(mine, groups, intra_node_bits=bits)
             out["collective"][f"{dtype_name}, {bits}/4"] = rank_error_over_bound(inputs, results, rank)
+            if triton_quantizer.unavailable_reason(device):
+                continue
             saved, cc.quantizer_module = cc.quantizer_module, triton_quantizer
             try:
                 results = cc.all_to_all_quant_reduce(mine, groups, intra_node_bits=bits)
@@ -578,7 +580,7 @@ def speed(report, ops, checked, device, dry_run):
         x = torch.randn(num_groups * group_elems, device=device).half()
         gbs = {"copy": x.numel() * 2 / timed(lambda: x.clone(), device, repeats) / 1e9}
         for name, op in (("DeepSpeed's", ops), ("Triton", triton_quantizer)):
-            if name == "Triton" and group_elems < 136:
+            if name == "Triton" and (group_elems < 136 or triton_quantizer.unavailable_reason(device)):
                 continue  # the contract refuses its reduction's sub-warp groups; the CUDA op's is unchecked
             # groups of 128: the unchecked op (a sub-warp launch), for comparison only
             reduce_fn = unchecked_reduction(ops, device) if group_elems < 136 else op.quantized_reduction
@@ -662,7 +664,11 @@ def main():
             probe(report, ops, device, dry_run)
         with report.section("triton"):
             from deepspeed_qgz import triton_quantizer
-            kernels(report, triton_quantizer, device, dry_run, section="triton", strict=True)
+            reason = triton_quantizer.unavailable_reason(device)
+            if reason is None:
+                kernels(report, triton_quantizer, device, dry_run, section="triton", strict=True)
+            else:
+                report.row("triton", "the Triton op", "INFO", f"not run: {reason}")
         with report.section("ranks"):
             ranks(report, device, dry_run)
         with report.section("speed"):

@@ -11,7 +11,7 @@ the CUDA binding
 in PyTorch and is the specification this file is tested against, bit for bit.
 
 ZeRO-3's qgZ and qwZ call these functions as they call the CUDA op (deepspeed_qgz/cpu_quantizer.py);
-this package's own pipeline calls them through ContractCheckedQuantizer
+this package's tests and benchmarks call them through ContractCheckedQuantizer
 (deepspeed_qgz/qgz/qgz_contract.py), which checks every call against the whole kernel contract
 first. The TORCH_CHECKs here keep this file's own memory accesses in bounds and, as the contract
 does, refuse quantized_reduction launches of fewer threads than a warp (undefined on CUDA, so never

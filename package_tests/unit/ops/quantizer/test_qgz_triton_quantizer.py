@@ -114,7 +114,8 @@ def test_quantize_matches_reference_bit_for_bit(elems, groups):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_node_sums_at_fp16s_limit(local_size, bits):
     """A node of 8 or 16 devices whose values sit at fp16's largest magnitude: where their signs
-    agree the fp16 sums overflow to inf, and each group's scale is inf and its values NaN, bit for bit
+    agree the fp16 sums overflow to inf, and each out-group's stored parameter is inf and its values
+    NaN, bit for bit
     as the kernels' are (the series scales each gradient so that a node's sum stays in range)."""
     elems, groups = 1024, 2 * local_size  # two groups a device
     device_of_group = torch.arange(groups) // 2
@@ -124,7 +125,7 @@ def test_node_sums_at_fp16s_limit(local_size, bits):
     codes, scales = ref.swizzle_quant(x.half().view(-1), groups, bits, 0, 1, 1, local_size)
     reduced = check_call("quantized_reduction", codes, scales, groups, 2, bits, tq.Symmetric, local_size)
     values = check_call("dequantize", reduced[0], reduced[1], 2, bits, tq.Symmetric)[0]
-    # the agreeing values' sums overflowed: each out-group's scale is inf, and its values NaN
+    # the agreeing values' sums overflowed: each out-group's stored parameter (1 / scale) is inf, its values NaN
     assert torch.isinf(reduced[1]).all() and values.isnan().all()
 
 

@@ -169,8 +169,8 @@ class TestQuantizedWeights5Nodes2Ranks(QuantizedWeightsTests, DistributedTest):
 class TestZeroPlusPlusRecipe3Nodes2Ranks(DistributedTest):
     """ZeRO++ as its tutorial configures it (quantized weights, hpZ inside the node, quantized
     gradients) trains on 3 nodes x 2 ranks next to plain ZeRO-3, from the same weights and data; on
-    this package's Triton op (where it runs: in Triton's interpreter on a CPU) its losses are the
-    accelerator's op's, bit for bit (both state the CUDA kernels)."""
+    the CPU accelerator, this package's Triton op (in Triton's interpreter) gives the CPU op's losses,
+    bit for bit (both state the CUDA kernels)."""
     world_size = 6
     reuse_dist_env = True
 
@@ -180,8 +180,10 @@ class TestZeroPlusPlusRecipe3Nodes2Ranks(DistributedTest):
         from deepspeed_qgz import triton_quantizer
         steps, losses = 8, {}
         recipes = ["zero3", "zero++"]
-        if triton_quantizer.triton is not None and triton_quantizer.unavailable_reason(
-                torch.device(get_accelerator().current_device_name()).type) is None:
+        # on the CPU accelerator, whose op rounds as the Triton op does (DeepSpeed's CUDA op, built with
+        # fast math, may differ from both in a scale's last bit)
+        if get_accelerator().device_name() == "cpu" and triton_quantizer.triton is not None and \
+                triton_quantizer.unavailable_reason("cpu") is None:
             recipes.append("zero++ on the Triton op")
         for recipe in recipes:
             op = triton_quantizer if recipe.endswith("Triton op") else None
