@@ -42,7 +42,7 @@ def overlay_files():
     for source_dir in PATCH_DIRS:
         for path in sorted((ROOT / source_dir).rglob("*")):
             if path.is_file() and path.suffix in OVERLAY_SUFFIXES and "__pycache__" not in path.parts:
-                yield path, Path(PACKAGE.installed_path(path.relative_to(ROOT).as_posix()))
+                yield path, path.relative_to(ROOT)
 
 
 class BuildWithOverlay(build_py):

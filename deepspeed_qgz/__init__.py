@@ -28,28 +28,3 @@ SUPPORTED_DEEPSPEED = ("0.19.8", )
 DISABLE_ENV = "DS_QGZ_OVERLAY"
 # Which quantizer op qgZ and qwZ call: "triton" (this package's Triton kernels) or "deepspeed" (the default).
 QUANTIZER_ENV = "DS_QGZ_QUANTIZER"
-
-# DeepSpeed source-tree directories and where an installed deepspeed package has them. In
-# DeepSpeed's git tree the installed-side paths are symbolic links to the source-side ones; its
-# source distribution ships copies of both.
-LINKED_DIRS = (
-    ("op_builder/", "deepspeed/ops/op_builder/"),
-    ("csrc/", "deepspeed/ops/csrc/"),
-    ("accelerator/", "deepspeed/accelerator/"),
-)
-
-
-def installed_path(source_path: str) -> str:
-    """A DeepSpeed source-tree path as it is inside an installed package."""
-    for source, installed in LINKED_DIRS:
-        if source_path.startswith(source):
-            return installed + source_path[len(source):]
-    return source_path
-
-
-def source_path(installed: str) -> str:
-    """An installed-package path as it is in DeepSpeed's source tree."""
-    for source, installed_dir in LINKED_DIRS:
-        if installed.startswith(installed_dir):
-            return source + installed[len(installed_dir):]
-    return installed

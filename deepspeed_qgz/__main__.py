@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import DISABLE_ENV, LINKED_DIRS, QUANTIZER_ENV, __version__, installed_path, source_path
+from . import DISABLE_ENV, QUANTIZER_ENV, __version__
 from ._finder import TREE, overlay_state
 from .replaced_modules import replace_module
 from .upstream_edits import EditError, apply_edits, edited_paths
@@ -24,7 +24,8 @@ def _upstream_root():
 
 
 def _overlay_files():
-    """(installed path relative to site-packages, overlay file) for every module the patch carries."""
+    """(DeepSpeed path, the same in its source tree and under site-packages; overlay file) for every
+    module the patch carries."""
     for path in sorted(p for p in TREE.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
         yield path.relative_to(TREE).as_posix(), path
 
@@ -38,9 +39,9 @@ def status(_args):
     print(f"torch         {torch.__version__}")
     print(f"overlay       {'ACTIVE' if active else 'INACTIVE'}: {reason}  (switch off: {DISABLE_ENV}=0)")
     print("files:")
-    for installed, _ in _overlay_files():
-        kind = "replaces" if root and (root / installed).exists() else "adds"
-        print(f"  {kind:8s} {source_path(installed)}")
+    for path, _ in _overlay_files():
+        kind = "replaces" if root and (root / path).exists() else "adds"
+        print(f"  {kind:8s} {path}")
     for path in edited_paths():
         print(f"  {'edits':8s} {path}")
     import deepspeed.runtime.zero.stage3 as stage3
@@ -95,13 +96,13 @@ def _patch(root, deepspeed_tree=None):
     """
 
     def upstream(path, edited=False):
-        file = deepspeed_tree / path if deepspeed_tree is not None else root / installed_path(path)
+        file = deepspeed_tree / path if deepspeed_tree is not None else root / path
         if edited and not file.exists():
             raise EditError(f"deepspeed-qgz: {file}, which the patch edits, does not exist")
         return file.read_text() if file.exists() else None
 
-    for installed, overlay in _overlay_files():
-        path, ours = source_path(installed), overlay.read_text()
+    for path, overlay in _overlay_files():
+        ours = overlay.read_text()
         text = upstream(path)
         yield path, text, ours if text is None else replace_module(path, text, ours)
     for path in edited_paths():
@@ -133,14 +134,10 @@ def diff(args):
         print(error, file=sys.stderr)
         return 1
     for path, old, new in hunks:
-        paths = [path]
-        if args.sdist and installed_path(path) != path:
-            paths.append(installed_path(path))  # the source distribution's copy of a linked directory
-        for target in paths:
-            old_lines = old.splitlines(keepends=True) if old is not None else []
-            sys.stdout.writelines(
-                difflib.unified_diff(old_lines, new.splitlines(keepends=True),
-                                     f"a/{target}" if old is not None else "/dev/null", f"b/{target}"))
+        old_lines = old.splitlines(keepends=True) if old is not None else []
+        sys.stdout.writelines(
+            difflib.unified_diff(old_lines, new.splitlines(keepends=True),
+                                 f"a/{path}" if old is not None else "/dev/null", f"b/{path}"))
     return 0
 
 
@@ -160,10 +157,6 @@ def main(argv=None):
     diff_parser = commands.add_parser("diff",
                                       help="the patch against the installed upstream (or --deepspeed-tree), as a "
                                       "unified diff at DeepSpeed's source-tree paths (git apply-able)")
-    diff_parser.add_argument("--sdist",
-                             action="store_true",
-                             help="also patch the copies DeepSpeed's source distribution ships of " +
-                             ", ".join(dict(LINKED_DIRS)) + " (symbolic links in its git tree)")
     diff_parser.add_argument("--deepspeed-tree",
                              metavar="PATH",
                              help="a DeepSpeed git checkout: the hunks against its files, and also those of its "

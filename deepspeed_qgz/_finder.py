@@ -23,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import DISABLE_ENV, QUANTIZER_ENV, SUPPORTED_DEEPSPEED, __version__, installed_path
+from . import DISABLE_ENV, QUANTIZER_ENV, SUPPORTED_DEEPSPEED, __version__
 
 TREE = Path(__file__).resolve().parent / "tree"
 
@@ -43,7 +43,7 @@ def overlay_modules():
 def edited_modules():
     """{module name: DeepSpeed source-tree path} for every upstream module the patch edits."""
     from .upstream_edits import edited_paths
-    return {_module_name(installed_path(path)): path for path in edited_paths()}
+    return {_module_name(path): path for path in edited_paths()}
 
 
 def deepspeed_version():

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The in-tree route, as a maintainer takes the whole patch: DeepSpeed 0.19.8's source
-# distribution with `python -m deepspeed_qgz diff --sdist` applied by git apply (--sdist would also
-# patch the source distribution's copies of op_builder/, csrc/ and accelerator/, which the patch
-# does not change now). Its documentation and tests are not in the source distribution: their hunks
-# need a DeepSpeed checkout (scripts/deepspeed_tests.sh --deepspeed-tree).
+# distribution with `python -m deepspeed_qgz diff` applied by git apply. Its documentation and tests
+# are not in the source distribution: their hunks need a DeepSpeed checkout
+# (scripts/deepspeed_tests.sh --deepspeed-tree).
 #
 # The suites run once, against the overlay (scripts/test.sh), on the same files: here, that the
 # patched tree is what the overlay imports, file by file (the module the patch replaces is this
@@ -20,7 +19,7 @@ pip download -q --no-deps --no-binary :all: -d "$WORK" deepspeed==0.19.8
 mkdir "$WORK/patched" "$WORK/upstream"
 tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK/patched"
 tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK/upstream"
-python -m deepspeed_qgz diff --sdist > "$WORK/qgz.patch"
+python -m deepspeed_qgz diff > "$WORK/qgz.patch"
 say "in-tree: git apply ($(grep -c '^+++ ' "$WORK/qgz.patch") files)"
 git -C "$WORK/patched/deepspeed-0.19.8" apply --whitespace=error-all "$WORK/qgz.patch"
 say "in-tree: the patched files are what the overlay imports"
@@ -29,18 +28,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deepspeed_qgz import installed_path
 from deepspeed_qgz.upstream_edits import apply_edits, edited_paths
 
 upstream, patched, root = (Path(p) for p in sys.argv[1:])
-ours = subprocess.run(["git", "-C", str(root), "ls-files", "deepspeed", "op_builder", "csrc", "accelerator"],
-                      capture_output=True, text=True, check=True).stdout.split()
-differ = [place for path in ours for place in {path, installed_path(path)}
-          if (root / path).read_bytes() != (patched / place).read_bytes()]
-for path in edited_paths():
-    for place in {path, installed_path(path)}:
-        if apply_edits(path, (upstream / place).read_text()) != (patched / place).read_text():
-            differ.append(place)
+ours = subprocess.run(["git", "-C", str(root), "ls-files", "deepspeed"], capture_output=True, text=True,
+                      check=True).stdout.split()
+differ = [path for path in ours if (root / path).read_bytes() != (patched / path).read_bytes()]
+differ += [path for path in edited_paths()
+           if apply_edits(path, (upstream / path).read_text()) != (patched / path).read_text()]
 if differ:
     sys.exit(f"in-tree: these patched files differ from what the overlay imports: {differ}")
 print(f"in-tree: {len(ours)} added or replaced files are this repository's, "
@@ -54,13 +49,11 @@ import subprocess
 import sys
 import zipfile
 
-from deepspeed_qgz import installed_path
-
 wheel, root = sys.argv[1:]
 shipped = set(zipfile.ZipFile(wheel).namelist())
-ours = subprocess.run(["git", "-C", root, "ls-files", "deepspeed", "op_builder", "csrc", "accelerator"],
-                      capture_output=True, text=True, check=True).stdout.split()
-missing = [path for path in ours if installed_path(path) not in shipped]
+ours = subprocess.run(["git", "-C", root, "ls-files", "deepspeed"], capture_output=True, text=True,
+                      check=True).stdout.split()
+missing = [path for path in ours if path not in shipped]
 if missing:
     sys.exit(f"in-tree: the wheel of the patched tree lacks {missing}")
 print(f"in-tree: the wheel ships all {len(ours)} files")

@@ -77,14 +77,12 @@ import sys
 from pathlib import Path
 
 import deepspeed_qgz
-from deepspeed_qgz import installed_path
 
 root, package = Path(sys.argv[1]), Path(deepspeed_qgz.__file__).parent
-files = subprocess.run(["git", "-C", str(root), "ls-files", "deepspeed_qgz", "deepspeed", "op_builder", "csrc"],
+files = subprocess.run(["git", "-C", str(root), "ls-files", "deepspeed_qgz", "deepspeed"],
                        capture_output=True, text=True, check=True).stdout.split()
 stale = [path for path in files if (root / path).read_bytes() != (
-    package / path.removeprefix("deepspeed_qgz/") if path.startswith("deepspeed_qgz/") else package / "tree" /
-    installed_path(path)).read_bytes()]
+    package / path.removeprefix("deepspeed_qgz/") if path.startswith("deepspeed_qgz/") else package / "tree" / path).read_bytes()]
 # the series the overlay applies (deepspeed_qgz/series.py) is this checkout's upstream/
 patches = sorted(p.name for p in (root / "upstream").glob("*.patch"))
 if sorted(p.name for p in (package / "series").glob("*.patch")) != patches:

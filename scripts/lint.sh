@@ -17,12 +17,12 @@ pip install -q -r "$ROOT/requirements/requirements-lint.txt"
 cd "$ROOT"
 status=0
 # The files at DeepSpeed's paths, which go upstream: every hook DeepSpeed runs on them.
-mapfile -t DS_PY < <(git ls-files 'deepspeed/*.py' 'tests/*.py' 'op_builder/*.py' 'accelerator/*.py')
+mapfile -t DS_PY < <(git ls-files 'deepspeed/*.py' 'tests/*.py')
 say "lint: DeepSpeed's hooks on the ${#DS_PY[@]} files at DeepSpeed's paths (scripts/deepspeed_hooks.sh)"
 bash "$ROOT/scripts/deepspeed_hooks.sh" "${DS_PY[@]}" || status=1
 # This repository's own files (the overlay, scripts, benchmarks, project tests): DeepSpeed's
 # formatters and license header too; its GPU check uses CUDA directly, as a GPU check must.
-mapfile -t OWN_PY < <(git ls-files '*.py' ':!deepspeed/' ':!tests/' ':!op_builder/' ':!accelerator/')
+mapfile -t OWN_PY < <(git ls-files '*.py' ':!deepspeed/' ':!tests/')
 mapfile -t CPP < <(git ls-files '*.cpp' '*.h' '*.cu')
 say "lint: yapf (${#OWN_PY[@]} files)"
 yapf --diff "${OWN_PY[@]}" || status=1
@@ -46,13 +46,12 @@ python - "$EDITED" <<'PY'
 import sys
 from pathlib import Path
 import importlib.util
-from deepspeed_qgz import installed_path
 from deepspeed_qgz.upstream_edits import apply_edits, edited_paths
 root = Path(importlib.util.find_spec("deepspeed").origin).parent.parent
 for path in edited_paths():
     target = Path(sys.argv[1]) / path
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(apply_edits(path, (root / installed_path(path)).read_text()))
+    target.write_text(apply_edits(path, (root / path).read_text()))
 PY
 (cd "$EDITED" && yapf --style "$ROOT/.style.yapf" --diff -r . && flake8 --config "$ROOT/.flake8" .) || status=1
 [ "$status" -eq 0 ] && say "lint: clean" || say "lint: FAILED"
