@@ -7,7 +7,7 @@ source distribution ships no tests): the patch's DeepSpeed-form tests run on it 
 CI, and on DeepSpeed's own DistributedTest from a DeepSpeed checkout (scripts/deepspeed_tests.sh).
 
 Only the interface those tests use, with DeepSpeed's semantics: a DistributedTest class names its
-`world_size`; each test method runs in every process of a world of that many processes, with
+`world_size` (or a test its `world_size` argument); each test method runs in every process of a world of that many processes, with
 MASTER_ADDR/MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_SIZE (= the world size) set and
 deepspeed.init_distributed called on the accelerator's backend; a world larger than the
 accelerator's device count is skipped; `reuse_dist_env` keeps one pool of processes per world size
@@ -45,7 +45,7 @@ class DistributedTest:
     _pools = {}  # world size -> (pool, port, init file), shared by every class when reused
 
     def _launch(self, test_name, kwargs):
-        world = self.world_size
+        world = kwargs.get("world_size", self.world_size)  # a parametrized world size, as DeepSpeed's takes it
         if get_accelerator().device_count() < world:
             pytest.skip(f"{world} processes need {world} devices, the accelerator has "
                         f"{get_accelerator().device_count()}")
