@@ -5,8 +5,8 @@
 """
 DeepSpeed's quantizer op as Triton kernels: ``quantize``, ``swizzle_quant``, ``quantized_reduction``,
 ``dequantize`` and ``dequantize_fp32``, with the CUDA binding's signatures, output shapes and
-dtypes (but ``quantize``'s scales, flat as the CPU op's), giving bit for bit what deepspeed_qgz/qgz/qgz_reference.py states the CUDA kernels compute,
-for every call deepspeed_qgz/qgz/qgz_contract.py allows them (symmetric quantization: the only kind
+dtypes (but ``quantize``'s scales, flat as the CPU op's), giving bit for bit what
+deepspeed_qgz/qgz/qgz_reference.py states the CUDA kernels compute, for every call deepspeed_qgz/qgz/qgz_contract.py allows them (symmetric quantization: the only kind
 qgZ and qwZ use). It reaches DeepSpeed's code through the package's one seam
 (``_finder.plug_in_quantizer``): with ``DS_QGZ_QUANTIZER=triton`` the quantizer op qgZ's
 ``coalesced_collectives`` and qwZ's ``CUDAQuantizer`` cache is this one, so the series'

@@ -56,6 +56,20 @@ def cluster_inputs(shapes, world, dtype, seed):
 
 
 @contextlib.contextmanager
+def quantizer_caches(op):
+    """qgZ's and qwZ's quantizer op caches set to `op` inside (None: left as they are)."""
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
+    saved = coalesced_collectives.quantizer_module, CUDAQuantizer.quantizer_cuda_module
+    if op is not None:
+        coalesced_collectives.quantizer_module = CUDAQuantizer.quantizer_cuda_module = op
+    try:
+        yield
+    finally:
+        coalesced_collectives.quantizer_module, CUDAQuantizer.quantizer_cuda_module = saved
+
+
+@contextlib.contextmanager
 def simulated_nodes(local_size):
     """Inside: the accelerator reports `local_size` devices per node, so the processes of a test's
     world form nodes of that many ranks (LOCAL_SIZE on the CPU accelerator, the device count

@@ -93,13 +93,11 @@ def test_a_quantizer_set_before_first_use_is_kept():
     replaces DeepSpeed's."""
     from deepspeed.runtime.comm import coalesced_collectives
     from deepspeed.ops.op_builder.npu.quantizer import NPUQuantizer
-    saved, coalesced_collectives.quantizer_module = coalesced_collectives.quantizer_module, NPUQuantizer
-    try:
-        from deepspeed_qgz._finder import plug_in_quantizer
+    from deepspeed_qgz._finder import plug_in_quantizer
+    from unit.qgz_util import quantizer_caches
+    with quantizer_caches(NPUQuantizer):
         plug_in_quantizer(coalesced_collectives, "quantizer_module")
         assert coalesced_collectives.quantizer_module is NPUQuantizer
-    finally:
-        coalesced_collectives.quantizer_module = saved
 
 
 def test_cpu_and_cuda_ops_never_share_a_cache_entry():

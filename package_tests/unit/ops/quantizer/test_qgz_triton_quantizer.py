@@ -27,7 +27,7 @@ from deepspeed_qgz import triton_quantizer as tq
 from deepspeed_qgz.qgz import qgz_reference as ref
 
 from unit.common import DistributedTest
-from unit.qgz_util import cluster_inputs, device, quantizer, same_values, simulated_nodes
+from unit.qgz_util import cluster_inputs, device, quantizer, quantizer_caches, same_values, simulated_nodes
 
 needs_triton = pytest.mark.skipif(tq.triton is None, reason="Triton is not installed")
 interpreted = pytest.mark.skipif(tq.triton is None or tq.unavailable_reason("cpu") is not None,
@@ -115,8 +115,8 @@ def test_quantize_matches_reference_bit_for_bit(elems, groups):
 def test_node_sums_at_fp16s_limit(local_size, bits):
     """A node of 8 or 16 devices whose values sit at fp16's largest magnitude: where their signs
     agree the fp16 sums overflow to inf, and each out-group's stored parameter is inf and its values
-    NaN, bit for bit
-    as the kernels' are (the series scales each gradient so that a node's sum stays in range)."""
+    NaN, bit for bit as the kernels' are (the series scales each gradient so that a node's sum stays in
+    range)."""
     elems, groups = 1024, 2 * local_size  # two groups a device
     device_of_group = torch.arange(groups) // 2
     x = torch.full((groups, elems), 65504.0)
@@ -251,18 +251,14 @@ class TestSeriesOnTritonOp(DistributedTest):
             for dtype in (torch.float16, torch.bfloat16)
         }
         inputs[torch.float16][1].view(-1)[rank] = float("inf") if rank == 1 else 0.0
-        saved = coalesced_collectives.quantizer_module
         results = {}
-        try:
-            with simulated_nodes(local_size) as groups:
-                for name, op in (("triton", tq), ("cpu", quantizer().ops)):
-                    coalesced_collectives.quantizer_module = op
+        with simulated_nodes(local_size) as groups:
+            for name, op in (("triton", tq), ("cpu", quantizer().ops)):
+                with quantizer_caches(op):
                     results[name] = [
                         coalesced_collectives.all_to_all_quant_reduce(tensors, groups, intra_node_bits)
                         for tensors in inputs.values()
                     ]
-        finally:
-            coalesced_collectives.quantizer_module = saved
         for triton_outputs, cpu_outputs in zip(results["triton"], results["cpu"]):
             for got, want in zip(triton_outputs, cpu_outputs):
                 assert got.shape == want.shape and got.dtype == want.dtype

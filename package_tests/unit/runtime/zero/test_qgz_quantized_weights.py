@@ -8,7 +8,6 @@ tests on it): the quantized all-gather on worlds of simulated nodes (with and wi
 trainable and non-trainable weights kept quantized), and ZeRO++'s whole recipe (qwZ + hpZ + qgZ)
 training, on the accelerator's quantizer op and on this package's Triton op."""
 
-import contextlib
 import math
 
 import pytest
@@ -18,7 +17,7 @@ import deepspeed
 import deepspeed.comm as dist
 
 from unit.common import DistributedTest
-from unit.qgz_util import simulated_nodes
+from unit.qgz_util import quantizer_caches, simulated_nodes
 
 
 def int8_error_bound(exact, step, dtype):
@@ -74,20 +73,6 @@ def zero_config(precision, lr=1e-3, **zero):
 
 
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@contextlib.contextmanager
-def quantizer_caches(op):
-    """qgZ's and qwZ's quantizer op caches set to `op` inside (None: left as they are)."""
-    from deepspeed.runtime.comm import coalesced_collectives
-    from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
-    saved = coalesced_collectives.quantizer_module, CUDAQuantizer.quantizer_cuda_module
-    if op is not None:
-        coalesced_collectives.quantizer_module = CUDAQuantizer.quantizer_cuda_module = op
-    try:
-        yield
-    finally:
-        coalesced_collectives.quantizer_module, CUDAQuantizer.quantizer_cuda_module = saved
 
 
 def usable_precisions():
