@@ -396,32 +396,14 @@ BUCKET = ((4096, 4096), ) * 4 + ((11008, 4096), ) * 2 + ((4096, 11008), )  # one
 
 
 def series_calls(group: int, topology, bits: int):
-    """(name, launches of it, op, arguments on meta tensors) of every quantizer call the series'
-    all_to_all_quant_reduce makes for BUCKET in groups of `group` values, as one exchange: each
-    tensor's partitions padded to whole groups."""
-    import torch
+    """(values, steps): the steps of qgz_compile.exchange_calls (step, op, arguments of each call) for
+    BUCKET in groups of `group` values, as one exchange: each tensor's partitions padded to whole
+    groups."""
+    from unit import qgz_compile
     num_nodes, local = topology
     world = num_nodes * local
     values = world * group * sum(-(-math.prod(shape) // (world * group)) for shape in BUCKET)
-    groups, node_groups = values // group, values // group // local
-
-    def meta(numel, dtype=torch.float16):
-        return torch.empty(numel, dtype=dtype, device="meta")
-
-    calls = [("swizzle_quant", 1, "swizzle_quant", (meta(values), groups, bits, 0, 1, num_nodes, local))]
-    if bits == 4:
-        calls.append(("quantized_reduction", 1, "quantized_reduction",
-                      (meta(values // 2, torch.int8), meta(groups, torch.float32), groups, node_groups, 4, 0, local)))
-    else:
-        calls.append(("dequantize (a copy, 8 bits)", local, "dequantize", (meta(values // local, torch.int8),
-                                                                           meta(node_groups,
-                                                                                torch.float32), node_groups, 8, 0)))
-        calls.append(
-            ("swizzle_quant (node sums)", 1, "swizzle_quant", (meta(values // local), node_groups, 4, 0, 1, 1, 1)))
-    calls.append(("dequantize", 1, "dequantize", (meta(values // local // 2,
-                                                       torch.int8), meta(node_groups,
-                                                                         torch.float32), node_groups, 4, 0)))
-    return values, calls
+    return values, qgz_compile.exchange_calls(values, group, num_nodes, local, bits)
 
 
 def launch_bytes(launch) -> float:
@@ -441,39 +423,48 @@ def gpu_for(name: str, capability) -> str:
 
 
 def analyse(call: int, bits: int, group: int, topology, gpu: str):
-    """One row: call number `call` of series_calls, its instruction mix per gradient value of the
-    exchange and the ceilings on `gpu`."""
+    """One row: step number `call` of series_calls, the instruction mix of its calls per gradient
+    value of the exchange and the ceilings on `gpu`."""
     from unit import qgz_compile
-    values, calls = series_calls(group, topology, bits)
-    name, launches, op, args = calls[call]
-    (launch, ) = qgz_compile.record_quantizer_launches([(op, args)])
+    values, steps = series_calls(group, topology, bits)
+    name, op, calls = steps[call]
     spec = GPUS[gpu]
-    compiled = compiled_kernel(launch, spec["arch"])
-    arguments = {k: v for k, v in qgz_compile.bound_arguments(launch).items() if not hasattr(v, "dtype")}
-    ins, weights = loop_weights(qgz_compile.disassemble(compiled.asm["cubin"]), launch.kernel.fn.__code__.co_filename,
-                                arguments)
-    threads = sys.modules[launch.kernel.fn.__module__].NUM_WARPS * 32
-    per_value = launches * threads * launch.grid[0] / values  # thread instructions per program instruction, per value
-    mix, issue = Counter(), 0.0
-    for instruction, weight in zip(ins, weights):
-        if instruction.opcode.startswith("NOP"):
-            continue
-        issue += weight * per_value
-        cls = instruction_class(instruction.opcode)
-        if cls is not None:
-            amount = weight * per_value * (shared_words(instruction.opcode) if cls.startswith("shared") else 1)
-            mix[cls] += amount
-    bytes_per_value = launches * launch_bytes(launch) / values
+    mix, summary, issue, bytes_per_value, registers = Counter(), Counter(), 0.0, 0.0, 0
+    for args in calls:
+        # each call is its own launch: the 8-bit copies' variants differ by their pointers' alignment
+        (launch, ) = qgz_compile.record_quantizer_launches([(op, args)])
+        compiled = compiled_kernel(launch, spec["arch"])
+        arguments = {k: v for k, v in qgz_compile.bound_arguments(launch).items() if not hasattr(v, "dtype")}
+        ins, weights = loop_weights(qgz_compile.disassemble(compiled.asm["cubin"]),
+                                    launch.kernel.fn.__code__.co_filename, arguments)
+        threads = sys.modules[launch.kernel.fn.__module__].NUM_WARPS * 32
+        per_value = threads * launch.grid[0] / values  # thread instructions per program instruction, per value
+        call_mix, call_issue = Counter(), 0.0
+        for instruction, weight in zip(ins, weights):
+            if instruction.opcode.startswith("NOP"):
+                continue
+            call_issue += weight * per_value
+            cls = instruction_class(instruction.opcode)
+            if cls is not None:
+                amount = weight * per_value * (shared_words(instruction.opcode) if cls.startswith("shared") else 1)
+                call_mix[cls] += amount
+        # the summary counts instructions: an LDS or STS once, whatever words it moves
+        words = shared_words_average(ins, weights)
+        counted = Counter()
+        for cls, amount in call_mix.items():
+            counted[summary_class(cls)] += amount / (words if cls.startswith("shared") else 1)
+        counted["other"] += call_issue - sum(counted.values())
+        summary.update(counted)
+        mix.update(call_mix)
+        issue += call_issue
+        bytes_per_value += launch_bytes(launch) / values
+        registers = max(registers, qgz_compile.resource_usage(compiled.asm["cubin"]).get("REG"))
     bytes_per_clock = spec["hbm"] / (spec["sms"] * spec["clock"])
     memory_time = bytes_per_value / bytes_per_clock
     times = {cls: amount / RATES[cls][spec["arch"]] for cls, amount in mix.items()}
     times["issue"] = issue / ISSUE_PER_CLOCK
     binding = max(times, key=times.get)
     ceiling = 100.0 * min(1.0, memory_time / times[binding])
-    summary = Counter()
-    for cls, amount in mix.items():
-        summary[summary_class(cls)] += amount / (shared_words_average(ins, weights) if cls.startswith("shared") else 1)
-    summary["other"] += issue - sum(summary.values())
     return {
         "call": name,
         "bits": bits,
@@ -486,7 +477,7 @@ def analyse(call: int, bits: int, group: int, topology, gpu: str):
             for cls in SUMMARY_CLASSES
         },
         "bytes_per_value": bytes_per_value,
-        "registers": qgz_compile.resource_usage(compiled.asm["cubin"]).get("REG"),
+        "registers": registers,
         "ceiling_percent": ceiling,
         "bound_by": binding if ceiling < 100.0 else "memory",
         "binding_class": binding,

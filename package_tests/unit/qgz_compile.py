@@ -18,6 +18,7 @@ division or transcendental, an FMA or a flush-to-zero instruction.
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -46,6 +47,10 @@ PTX_FORBIDDEN = {
 }
 
 
+def meta(numel, dtype=torch.float16):
+    return torch.empty(numel, dtype=dtype, device="meta")
+
+
 @dataclass
 class Launch:
     """One launch a launcher made: its kernel (a JITFunction), grid, arguments and meta-parameters."""
@@ -59,16 +64,17 @@ class Launch:
         return self.kernel.fn.__name__
 
     def __reduce__(self):
-        # to a worker process: the kernel by name, tensors as meta tensors of their dtype and shape
-        args = tuple(("tensor", str(a.dtype), tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in self.args)
+        # to a worker process: the kernel by name, tensors as meta tensors of their dtype, shape and offset
+        args = tuple(("tensor", str(a.dtype), tuple(a.shape), a.storage_offset()) if isinstance(a, torch.Tensor) else a
+                     for a in self.args)
         return _rebuild_launch, (self.name, self.grid, args, self.meta)
 
 
-def _rebuild_launch(name, grid, args, meta):
+def _rebuild_launch(name, grid, args, meta_parameters):
     args = tuple(
-        torch.empty(a[2], dtype=getattr(torch, a[1].split(".")[-1]), device="meta"
-                    ) if isinstance(a, tuple) and a[:1] == ("tensor", ) else a for a in args)
-    return Launch(getattr(quantizer_module(), name), grid, args, meta)
+        meta(a[3] + math.prod(a[2]), getattr(torch, a[1].split(".")[-1]))[a[3]:].
+        view(a[2]) if isinstance(a, tuple) and a[:1] == ("tensor", ) else a for a in args)
+    return Launch(getattr(quantizer_module(), name), grid, args, meta_parameters)
 
 
 def quantizer_module():
@@ -241,15 +247,43 @@ SERIES_EXCHANGE_VALUES = 2**27  # the series' quant_reduce_exchange_values: the 
 QWZ_GROUP_SIZES = (128, 2048, 4000, 8000, 16000)  # CUDAQuantizer's groups (qwZ) are at most 16000 values
 
 
+def exchange_calls(values: int, group: int, num_nodes: int, local: int, bits: int):
+    """(step, op, [arguments of each call, on meta tensors]) of the quantizer calls the series'
+    all_to_all_quant_reduce makes, in order, for one exchange of `values` staged values (every rank's
+    padded partitions) in groups of `group` values, with `bits` inside the node. At 8 bits a copy per
+    local rank is dequantized, each a chunk of what the all-to-all received, so at that chunk's offset:
+    a pointer 16-byte aligned or not, which Triton compiles a variant for. The other calls' inputs
+    are buffers of their own."""
+    groups = values // group
+    node_groups = groups // local
+    steps = [("swizzle_quant", "swizzle_quant", [(meta(values), groups, bits, 0, 1, num_nodes, local)])]
+    if bits == 4:
+        steps.append(("quantized_reduction", "quantized_reduction", [
+            (meta(values // 2, torch.int8), meta(groups, torch.float32), groups, node_groups, 4, 0, local)
+        ]))
+    else:
+        copies = zip(meta(values, torch.int8).chunk(local), meta(groups, torch.float32).chunk(local))
+        steps.append(("dequantize (each copy, 8 bits)", "dequantize", [(codes, scales, node_groups, 8, 0)
+                                                                       for codes, scales in copies]))
+        steps.append(
+            ("swizzle_quant (node sums)", "swizzle_quant", [(meta(values // local), node_groups, 4, 0, 1, 1, 1)]))
+    steps.append(("dequantize", "dequantize", [(meta(values // local // 2,
+                                                     torch.int8), meta(node_groups,
+                                                                       torch.float32), node_groups, 4, 0)]))
+    return steps
+
+
+def unaligned(tensor):
+    """`tensor` at an offset of one element into a buffer: a pointer not 16-byte aligned."""
+    return meta(tensor.numel() + 1, tensor.dtype)[1:].view(tensor.shape)
+
+
 def quantizer_calls(quick: bool = False):
     """(what, (op, arguments on meta tensors)) for the Triton quantizer op's calls CI compiles: the
-    calls the series' all_to_all_quant_reduce makes at each topology, group size and intra-node
-    precision, for one and three groups per rank and the largest exchange; qwZ's quantize and
-    dequantize."""
-
-    def meta(numel, dtype=torch.float16):
-        return torch.empty(numel, dtype=dtype, device="meta")
-
+    calls the series' all_to_all_quant_reduce makes (exchange_calls) at each topology, group size and
+    intra-node precision, for one and three groups per rank and the largest exchange; qwZ's quantize
+    and dequantize, whose inputs are 16-byte aligned or not (a partition is a view into ZeRO-3's flat
+    buffer, at any offset)."""
     topologies = TOPOLOGIES[:3] if quick else TOPOLOGIES
     sizes = GROUP_SIZES[:2] if quick else GROUP_SIZES
     for num_nodes, local in topologies:
@@ -258,34 +292,29 @@ def quantizer_calls(quick: bool = False):
             for bits in (4, 8):
                 for per_rank in (1, 3, max(1, SERIES_EXCHANGE_VALUES // (world * group))):
                     what = f"{num_nodes}x{local}, {bits}/4, groups of {group}, {per_rank} per rank"
-                    node_groups = num_nodes * per_rank
-                    yield what, ("swizzle_quant", (meta(world * group * per_rank), world * per_rank, bits, 0, 1,
-                                                   num_nodes, local))
-                    if bits == 4:
-                        codes, scales = meta(world * group * per_rank // 2,
-                                             torch.int8), meta(world * per_rank, torch.float32)
-                        yield what, ("quantized_reduction", (codes, scales, world * per_rank, node_groups, 4, 0,
-                                                             local))
-                        # out-groups of three in-groups each: the per-value parameter lookup, which the
-                        # series' calls (out-groups of one in-group) never compile
-                        if per_rank == 3 and not quantized_reduction_violations(
-                                codes.numel(), scales.numel(), world * per_rank, num_nodes, 4, 0, local):
-                            yield what + ", out-groups of 3 in-groups", ("quantized_reduction",
-                                                                         (codes, scales, world * per_rank, num_nodes,
-                                                                          4, 0, local))
-                    else:
-                        yield what, ("dequantize", (meta(node_groups * group,
-                                                         torch.int8), meta(node_groups,
-                                                                           torch.float32), node_groups, 8, 0))
-                        yield what, ("swizzle_quant", (meta(node_groups * group), node_groups, 4, 0, 1, 1, 1))
-                    yield what, ("dequantize", (meta(node_groups * group // 2,
-                                                     torch.int8), meta(node_groups, torch.float32), node_groups, 4, 0))
+                    for _, op, calls in exchange_calls(world * group * per_rank, group, num_nodes, local, bits):
+                        for args in calls:
+                            yield what, (op, args)
+                    # out-groups of three in-groups each: the per-value parameter lookup, which the
+                    # series' calls (out-groups of one in-group) never compile
+                    codes, scales = meta(world * group * per_rank // 2,
+                                         torch.int8), meta(world * per_rank, torch.float32)
+                    if bits == 4 and per_rank == 3 and not quantized_reduction_violations(
+                            codes.numel(), scales.numel(), world * per_rank, num_nodes, 4, 0, local):
+                        yield what + ", out-groups of 3 in-groups", ("quantized_reduction",
+                                                                     (codes, scales, world * per_rank, num_nodes, 4, 0,
+                                                                      local))
     for group in QWZ_GROUP_SIZES[:2] if quick else QWZ_GROUP_SIZES:
         for groups in (16, 4096):
             what = f"qwZ, groups of {group}, {groups} groups"
-            yield what, ("quantize", (meta(groups * group), groups, 8, 0))
+            x = meta(groups * group)
+            for values in (x, unaligned(x)):
+                yield what, ("quantize", (values, groups, 8, 0))
+            codes, scales = meta(groups * group, torch.int8), meta(groups, torch.float32)
             for name in ("dequantize", "dequantize_fp32"):
-                yield what, (name, (meta(groups * group, torch.int8), meta(groups, torch.float32), groups, 8, 0))
+                for data in (codes, unaligned(codes)):
+                    for params in (scales, unaligned(scales)):
+                        yield what, (name, (data, params, groups, 8, 0))
 
 
 def _compile_variant(item):

@@ -265,6 +265,52 @@ class TestSeriesOnTritonOp(DistributedTest):
                 assert bool(same_values(got, want).all())
         assert results["triton"][0][1].isnan().all(), "an inf on one rank is NaN in every partition"
 
+    @pytest.mark.parametrize("intra_node_bits", [4, 8])
+    @pytest.mark.parametrize("local_size", [2, 3])
+    def test_the_compile_check_states_the_series_calls(self, local_size, intra_node_bits):
+        """qgz_compile.exchange_calls (what CI compiles, and the roofline prices) is what the series
+        calls: each exchange's quantizer calls in order, their tensors' dtypes, sizes and byte offsets
+        (the pointers' alignment picks a compiled variant), and their other arguments."""
+        from deepspeed.runtime.comm import coalesced_collectives
+        from unit import qgz_compile
+        calls = []
+
+        class Recording:
+
+            def __getattr__(self, name):
+                value = getattr(quantizer(), name)
+                if not callable(value):
+                    return value
+
+                def record(*args):
+                    calls.append((name, args))
+                    return value(*args)
+
+                return record
+
+        def described(op, args):
+            return op, tuple(
+                (a.dtype, a.numel(), a.storage_offset() * a.element_size()) if isinstance(a, torch.Tensor) else int(a)
+                for a in args)
+
+        shapes = [(3141, 48), (32, 32), (2, 2, 60000), (7, 7), (171, )]
+        world = dist.get_world_size()
+        tensors = [t.to(device()) for t in cluster_inputs(shapes, world, torch.bfloat16, seed=0)[dist.get_rank()]]
+        with simulated_nodes(local_size) as groups, quantizer_caches(Recording()):
+            coalesced_collectives.all_to_all_quant_reduce(tensors, groups, intra_node_bits)
+        exchanges = 0
+        while calls:
+            op, (x, num_groups, *_) = calls[0]
+            assert op == "swizzle_quant", f"an exchange begins with {op}"
+            steps = qgz_compile.exchange_calls(x.numel(),
+                                               x.numel() // num_groups, world // local_size, local_size,
+                                               intra_node_bits)
+            stated = [described(name, args) for _, name, step_calls in steps for args in step_calls]
+            assert [described(*call) for call in calls[:len(stated)]] == stated
+            del calls[:len(stated)]
+            exchanges += 1
+        assert exchanges >= 2
+
 
 @needs_triton
 def test_every_variant_compiles_for_every_target(tmp_path):
