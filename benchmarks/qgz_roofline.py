@@ -429,7 +429,9 @@ def analyse(call: int, bits: int, group: int, topology, gpu: str):
     values, steps = series_calls(group, topology, bits)
     name, op, calls = steps[call]
     spec = GPUS[gpu]
+    bytes_per_clock = spec["hbm"] / (spec["sms"] * spec["clock"])
     mix, summary, issue, bytes_per_value, registers = Counter(), Counter(), 0.0, 0.0, 0
+    memory_time = step_time = 0.0  # the calls run one after the other: each at the pace of what binds it
     for args in calls:
         # each call is its own launch: the 8-bit copies' variants differ by their pointers' alignment
         (launch, ) = qgz_compile.record_quantizer_launches([(op, args)])
@@ -459,12 +461,14 @@ def analyse(call: int, bits: int, group: int, topology, gpu: str):
         issue += call_issue
         bytes_per_value += launch_bytes(launch) / values
         registers = max(registers, qgz_compile.resource_usage(compiled.asm["cubin"]).get("REG"))
-    bytes_per_clock = spec["hbm"] / (spec["sms"] * spec["clock"])
-    memory_time = bytes_per_value / bytes_per_clock
+        call_times = {cls: amount / RATES[cls][spec["arch"]] for cls, amount in call_mix.items()}
+        call_memory_time = launch_bytes(launch) / values / bytes_per_clock
+        memory_time += call_memory_time
+        step_time += max([call_memory_time, call_issue / ISSUE_PER_CLOCK] + list(call_times.values()))
     times = {cls: amount / RATES[cls][spec["arch"]] for cls, amount in mix.items()}
     times["issue"] = issue / ISSUE_PER_CLOCK
     binding = max(times, key=times.get)
-    ceiling = 100.0 * min(1.0, memory_time / times[binding])
+    ceiling = 100.0 * memory_time / step_time
     return {
         "call": name,
         "bits": bits,

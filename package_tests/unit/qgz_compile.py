@@ -9,17 +9,19 @@ specializes it and compiled for an NVIDIA target; its PTX, cubin, resource usage
 Triton's interpreter never runs its compiler, so this must run in a process without
 TRITON_INTERPRET (test_qgz_triton_quantizer.py starts one):
 
-    python -m unit.qgz_compile --out report.json [--quick]     # from the tests directory
+    python -m unit.qgz_compile --out report.json     # from the tests directory
 
 The report names every distinct variant compiled, for which targets, and every problem: a compile
-error, a grid beyond CUDA's limits, local memory (a register spill), or in the PTX an approximate
-division or transcendental, an FMA or a flush-to-zero instruction.
+error, a grid beyond CUDA's limits, local memory (a register spill), in the PTX an approximate
+division or transcendental, an FMA or a flush-to-zero instruction, or a variant that random calls of
+the series and qwZ make and the matrix does not compile.
 """
 
 import argparse
 import json
 import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -241,10 +243,28 @@ def ptx_problems(ptx: str) -> List[str]:
 # --------------------------------------------------------------------------------------------------
 
 TOPOLOGIES = ((1, 2), (2, 1), (3, 2), (5, 2), (7, 1), (2, 8), (3, 8), (2, 16), (16, 2))
-GROUP_SIZES = (136, 264, 520, 1024, 2056, 4096, 4104, 40960)
-
+SERIES_GROUPS = (136, 40960)  # the series' groups: multiples of 8 values from 136 to 40960
+GROUPS_PER_RANK = (1, 2, 3, 4)
 SERIES_EXCHANGE_VALUES = 2**27  # the series' quant_reduce_exchange_values: the values one exchange stages
-QWZ_GROUP_SIZES = (128, 2048, 4000, 8000, 16000)  # CUDAQuantizer's groups (qwZ) are at most 16000 values
+QWZ_GROUPS = (264, 16000)  # qwZ's: CUDAQuantizer quantizes in groups of multiples of 8 from 264 to 16000 values
+SAMPLES = 3000  # random calls whose variants must be among those compiled
+
+
+def group_sizes(lowest: int, highest: int) -> List[int]:
+    """Group sizes that make every variant the groups from `lowest` to `highest` make: the first four
+    sizes of each tile class (the op's BLOCK, and whether a group takes more than a tile), whose
+    residues mod 32 are every multiple of 8's, and `highest`. A kernel specializes on a group size's
+    divisibility by 16, and on that of the size times a count, halved at 4 bits (the bytes of a
+    device's codes); so, with the counts of GROUPS_PER_RANK and TOPOLOGIES, on the size mod 32.
+    check() verifies this on SAMPLES random calls."""
+    from deepspeed_qgz.triton_quantizer import tile
+    sizes, taken = [], {}
+    for size in range(lowest, highest + 1, 8):
+        block, _, one_step = tile(size)
+        if taken.setdefault((block, one_step), 0) < 4:
+            taken[block, one_step] += 1
+            sizes.append(size)
+    return sorted(set(sizes + [highest]))
 
 
 def exchange_calls(values: int, group: int, num_nodes: int, local: int, bits: int):
@@ -273,24 +293,17 @@ def exchange_calls(values: int, group: int, num_nodes: int, local: int, bits: in
     return steps
 
 
-def unaligned(tensor):
-    """`tensor` at an offset of one element into a buffer: a pointer not 16-byte aligned."""
-    return meta(tensor.numel() + 1, tensor.dtype)[1:].view(tensor.shape)
-
-
-def quantizer_calls(quick: bool = False):
+def quantizer_calls():
     """(what, (op, arguments on meta tensors)) for the Triton quantizer op's calls CI compiles: the
     calls the series' all_to_all_quant_reduce makes (exchange_calls) at each topology, group size and
-    intra-node precision, for one and three groups per rank and the largest exchange; qwZ's quantize
-    and dequantize, whose inputs are 16-byte aligned or not (a partition is a view into ZeRO-3's flat
+    intra-node precision, for one to four groups per rank and the largest exchange; qwZ's quantize and
+    dequantize, whose inputs are 16-byte aligned or not (a partition is a view into ZeRO-3's flat
     buffer, at any offset)."""
-    topologies = TOPOLOGIES[:3] if quick else TOPOLOGIES
-    sizes = GROUP_SIZES[:2] if quick else GROUP_SIZES
-    for num_nodes, local in topologies:
+    for num_nodes, local in TOPOLOGIES:
         world = num_nodes * local
-        for group in sizes:
+        for group in group_sizes(*SERIES_GROUPS):
             for bits in (4, 8):
-                for per_rank in (1, 3, max(1, SERIES_EXCHANGE_VALUES // (world * group))):
+                for per_rank in GROUPS_PER_RANK + (max(1, SERIES_EXCHANGE_VALUES // (world * group)), ):
                     what = f"{num_nodes}x{local}, {bits}/4, groups of {group}, {per_rank} per rank"
                     for _, op, calls in exchange_calls(world * group * per_rank, group, num_nodes, local, bits):
                         for args in calls:
@@ -304,17 +317,49 @@ def quantizer_calls(quick: bool = False):
                         yield what + ", out-groups of 3 in-groups", ("quantized_reduction",
                                                                      (codes, scales, world * per_rank, num_nodes, 4, 0,
                                                                       local))
-    for group in QWZ_GROUP_SIZES[:2] if quick else QWZ_GROUP_SIZES:
+    for group in group_sizes(*QWZ_GROUPS):
         for groups in (16, 4096):
             what = f"qwZ, groups of {group}, {groups} groups"
-            x = meta(groups * group)
-            for values in (x, unaligned(x)):
-                yield what, ("quantize", (values, groups, 8, 0))
-            codes, scales = meta(groups * group, torch.int8), meta(groups, torch.float32)
-            for name in ("dequantize", "dequantize_fp32"):
-                for data in (codes, unaligned(codes)):
-                    for params in (scales, unaligned(scales)):
-                        yield what, (name, (data, params, groups, 8, 0))
+            yield from qwz_calls(what, group, groups, [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)])
+
+
+def qwz_calls(what, group, groups, offsets):
+    """qwZ's quantize, dequantize and dequantize_fp32 of `groups` groups of `group` values, for each
+    (values', codes', scales') offsets in elements into their buffers."""
+    seen = set()
+    for x_offset, codes_offset, scales_offset in offsets:
+        if x_offset not in seen:
+            seen.add(x_offset)
+            yield what, ("quantize", (at_offset(groups * group, torch.float16, x_offset), groups, 8, 0))
+        codes = at_offset(groups * group, torch.int8, codes_offset)
+        scales = at_offset(groups, torch.float32, scales_offset)
+        for name in ("dequantize", "dequantize_fp32"):
+            yield what, (name, (codes, scales, groups, 8, 0))
+
+
+def at_offset(numel, dtype, offset):
+    """A meta tensor `offset` elements into a buffer: its pointer is as far past an aligned one."""
+    return meta(offset + numel, dtype)[offset:]
+
+
+def sampled_calls(count: int, seed: int = 0):
+    """(what, (op, arguments)) of `count` calls drawn at random from all the series and qwZ can make:
+    exchanges of any topology up to 16 x 16, group size, groups per rank and precision; qwZ's calls
+    at any group size and offsets."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        num_nodes, local = rng.randint(1, 16), rng.randint(1, 16)
+        group = 8 * rng.randint(SERIES_GROUPS[0] // 8, SERIES_GROUPS[1] // 8)
+        per_rank = rng.randint(1, max(1, min(64, SERIES_EXCHANGE_VALUES // (num_nodes * local * group))))
+        bits = rng.choice((4, 8))
+        what = f"sampled: {num_nodes}x{local}, {bits}/4, groups of {group}, {per_rank} per rank"
+        for _, op, calls in exchange_calls(num_nodes * local * group * per_rank, group, num_nodes, local, bits):
+            for args in calls:
+                yield what, (op, args)
+        group = 8 * rng.randint(QWZ_GROUPS[0] // 8, QWZ_GROUPS[1] // 8)
+        offsets = (rng.randint(0, 7), rng.randint(0, 15), rng.randint(0, 3))
+        yield from qwz_calls(f"sampled: qwZ, groups of {group}, offsets {offsets}", group, rng.randint(1, 64),
+                             [offsets])
 
 
 def _compile_variant(item):
@@ -332,13 +377,12 @@ def _compile_variant(item):
     return key, problems, resources, time.perf_counter() - start
 
 
-def check(quick: bool = False, workers: int = 2) -> dict:
+def check(workers: int = 2) -> dict:
     """Records the CI matrix's launches, compiles each distinct variant for every target in ARCHES
-    and returns the report."""
+    and returns the report; a variant of SAMPLES random calls that is not among them is a problem."""
     variants, seen_by, largest_grid = {}, {}, 0
     problems = []
-    launches = ((what, launch) for what, call in quantizer_calls(quick)
-                for launch in record_quantizer_launches([call]))
+    launches = ((what, launch) for what, call in quantizer_calls() for launch in record_quantizer_launches([call]))
     for what, launch in launches:
         largest_grid = max(largest_grid, launch.grid[0])
         for arch in ARCHES:
@@ -346,6 +390,13 @@ def check(quick: bool = False, workers: int = 2) -> dict:
             if key not in variants:
                 variants[key] = (launch, arch)
                 seen_by[key] = what
+    missed = {}
+    for what, call in sampled_calls(SAMPLES):
+        for launch in record_quantizer_launches([call]):
+            key = variant_key(launch, ARCHES[0])
+            if key not in variants:
+                missed.setdefault(key, what)
+    problems.extend(f"a variant the matrix does not compile, first made by {what}" for what in missed.values())
     print(
         f"compiling {len(variants)} variants ({len(variants) // len(ARCHES)} per target) for "
         f"{', '.join(f'sm_{a}' for a in ARCHES)}",
@@ -370,11 +421,10 @@ def check(quick: bool = False, workers: int = 2) -> dict:
 
 def main(argv: Sequence[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="three topologies and two group sizes")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", required=True, help="where the JSON report goes")
     args = parser.parse_args(argv)
-    report = check(args.quick, args.workers)
+    report = check(args.workers)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"{report['variants']} variants compiled, {len(report['problems'])} problems", file=sys.stderr)
