@@ -246,7 +246,7 @@ TOPOLOGIES = ((1, 2), (2, 1), (3, 2), (5, 2), (7, 1), (2, 8), (3, 8), (2, 16), (
 SERIES_GROUPS = (136, 40960)  # the series' groups: multiples of 8 values from 136 to 40960
 GROUPS_PER_RANK = (1, 2, 3, 4)
 SERIES_EXCHANGE_VALUES = 2**27  # the series' quant_reduce_exchange_values: the values one exchange stages
-QWZ_GROUPS = (264, 16000)  # qwZ's: CUDAQuantizer quantizes in groups of multiples of 8 from 264 to 16000 values
+QWZ_GROUPS = (264, 8000)  # qwZ's: CUDAQuantizer quantizes in groups of multiples of 8 from 264 to 8000 values
 SAMPLES = 3000  # random calls whose variants must be among those compiled
 
 
@@ -393,10 +393,12 @@ def check(workers: int = 2) -> dict:
     missed = {}
     for what, call in sampled_calls(SAMPLES):
         for launch in record_quantizer_launches([call]):
+            # Triton's specialization does not depend on the target: one is enough
             key = variant_key(launch, ARCHES[0])
             if key not in variants:
-                missed.setdefault(key, what)
-    problems.extend(f"a variant the matrix does not compile, first made by {what}" for what in missed.values())
+                missed.setdefault(key, (what, launch))
+    problems.extend(f"{launch.name} {sorted(launch.meta.items())}: a variant the matrix does not compile, first made "
+                    f"by {what}" for what, launch in missed.values())
     print(
         f"compiling {len(variants)} variants ({len(variants) // len(ARCHES)} per target) for "
         f"{', '.join(f'sm_{a}' for a in ARCHES)}",
