@@ -380,6 +380,7 @@ def _compile_variant(item):
 def check(workers: int = 2) -> dict:
     """Records the CI matrix's launches, compiles each distinct variant for every target in ARCHES
     and returns the report; a variant of SAMPLES random calls that is not among them is a problem."""
+    print(f"recording the matrix's launches, then {SAMPLES} random calls' (about 20 s)", file=sys.stderr, flush=True)
     variants, seen_by, largest_grid = {}, {}, 0
     problems = []
     launches = ((what, launch) for what, call in quantizer_calls() for launch in record_quantizer_launches([call]))
