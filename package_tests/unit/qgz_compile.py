@@ -74,7 +74,7 @@ class Launch:
 
 def _rebuild_launch(name, grid, args, meta_parameters):
     args = tuple(
-        meta(a[3] + math.prod(a[2]), getattr(torch, a[1].split(".")[-1]))[a[3]:].
+        at_offset(math.prod(a[2]), getattr(torch, a[1].split(".")[-1]), a[3]).
         view(a[2]) if isinstance(a, tuple) and a[:1] == ("tensor", ) else a for a in args)
     return Launch(getattr(quantizer_module(), name), grid, args, meta_parameters)
 
@@ -310,13 +310,12 @@ def quantizer_calls():
                             yield what, (op, args)
                     # out-groups of three in-groups each: the per-value parameter lookup, which the
                     # series' calls (out-groups of one in-group) never compile
-                    codes, scales = meta(world * group * per_rank // 2,
-                                         torch.int8), meta(world * per_rank, torch.float32)
+                    code_bytes, scale_values = world * group * per_rank // 2, world * per_rank
                     if bits == 4 and per_rank == 3 and not quantized_reduction_violations(
-                            codes.numel(), scales.numel(), world * per_rank, num_nodes, 4, 0, local):
-                        yield what + ", out-groups of 3 in-groups", ("quantized_reduction",
-                                                                     (codes, scales, world * per_rank, num_nodes, 4, 0,
-                                                                      local))
+                            code_bytes, scale_values, world * per_rank, num_nodes, 4, 0, local):
+                        yield what + ", out-groups of 3 in-groups", ("quantized_reduction", (meta(
+                            code_bytes, torch.int8), meta(scale_values,
+                                                          torch.float32), world * per_rank, num_nodes, 4, 0, local))
     for group in group_sizes(*QWZ_GROUPS):
         for groups in (16, 4096):
             what = f"qwZ, groups of {group}, {groups} groups"
