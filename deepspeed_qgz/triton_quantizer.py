@@ -17,8 +17,12 @@ when first launched); divisions rounded as IEEE defines them (the CUDA op is bui
 ``--use_fast_math``, whose divisions may differ in the last bit of a scale); statistics reduced over
 whole tiles, never over lanes that do not exist. What it does not change: one launch per call, the
 bytes each call writes and, for groups of at most 4096 values, reads (a larger group is read twice,
-below), and the calls it accepts (the contract's, so that what runs here runs on the CUDA op too).
-Whether it is faster or slower on a GPU has not been measured.
+below), and the calls it accepts (the contract's, so that what runs here runs on the CUDA op too). Its
+outputs have the CUDA binding's shapes, sized from the input's last dimension, and a call whose
+output would not hold exactly what its kernel writes is refused before anything is allocated or
+launched (qgz_contract.output_violations: a 4-bit ``quantize`` of an odd last dimension, a
+``quantized_reduction`` whose last dimension the node's devices do not divide), where the CUDA op
+writes past its output's end. Whether it is faster or slower on a GPU has not been measured.
 
 Geometry: a program of 8 warps holds a tile of ``ROWS`` whole groups of ``BLOCK`` lanes (``BLOCK`` the
 power of two at least the group, ``ROWS * BLOCK = TILE``, 16 values a thread) and reduces each group's
@@ -361,10 +365,10 @@ def quantize(x, num_groups, num_bits, quant_type):
     _require_symmetric("quantize", quant_type)
     contract.require(
         contract.tensor_violations(input=(x, "torch.float16")) +
-        contract.quantize_violations(x.numel(), num_groups, num_bits), "quantize")
+        contract.quantize_violations(x.numel(), num_groups, num_bits) +
+        contract.output_violations("quantize", x.shape, num_bits), "quantize")
     _require_runnable("quantize", input=x)
-    out_shape = list(x.shape)
-    out_shape[-1] //= contract.values_per_byte(num_bits)
+    out_shape = contract.output_sizes("quantize", x.shape, num_bits)[0]
     stat_slots = contract.quantize_stat_slots(x.numel() // num_groups)
     codes, params = _quantize("quantize", x, num_groups, num_bits, 1, 1, 1, stat_slots, out_shape,
                               lambda: reference.quantize(x, num_groups, num_bits, quant_type))
@@ -383,7 +387,7 @@ def swizzle_quant(x, num_groups, num_bits, quant_type, pipeline_size, num_nodes,
     stat_slots = contract.swizzle_stat_slots(x.numel() // num_groups)
     return _quantize(
         "swizzle_quant", x, num_groups, num_bits, pipeline_size, num_nodes, local_world_size, stat_slots,
-        [x.numel() // contract.values_per_byte(num_bits)], lambda: reference.swizzle_quant(
+        contract.output_sizes("swizzle_quant", x.shape, num_bits)[0], lambda: reference.swizzle_quant(
             x, num_groups, num_bits, quant_type, pipeline_size, num_nodes, local_world_size))
 
 
@@ -394,16 +398,18 @@ def quantized_reduction(data, scales, in_groups, out_groups, num_bits, quant_typ
     contract.require(
         contract.tensor_violations(data=(data, "torch.int8"), scales=(scales, "torch.float32")) +
         contract.quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
-                                                quant_type, local_world_size), "quantized_reduction")
+                                                quant_type, local_world_size) +
+        contract.output_violations("quantized_reduction", data.shape, num_bits, local_world_size),
+        "quantized_reduction")
     _require_runnable("quantized_reduction", data=data, scales=scales)
     per_byte = contract.values_per_byte(num_bits)
     bytes_per_device = data.numel() // local_world_size
     values_per_device = bytes_per_device * per_byte
     out_group_elems = values_per_device // out_groups
     block, rows, one_step = tile(out_group_elems)
-    out_shape = list(data.shape)
-    out_shape[-1] //= local_world_size
-    out = torch.empty(out_shape, dtype=torch.int8, device=data.device)
+    out = torch.empty(contract.output_sizes("quantized_reduction", data.shape, num_bits, local_world_size)[0],
+                      dtype=torch.int8,
+                      device=data.device)
     params = torch.empty(out_groups, 1, dtype=torch.float32, device=data.device)
     padded = contract.reduce_stat_slots(bytes_per_device // out_groups, num_bits) > out_group_elems
     in_group_elems = values_per_device // (in_groups // local_world_size)
@@ -427,9 +433,7 @@ def _dequantize(op, dtype, data, params, num_groups, num_bits, quant_type):
         contract.dequantize_violations(data.numel(), params.numel(), num_groups, num_bits, quant_type,
                                        torch.finfo(dtype).bits // 8), op)
     _require_runnable(op, data=data, params=params)
-    out_shape = list(data.shape)
-    out_shape[-1] *= contract.values_per_byte(num_bits)
-    out = torch.empty(out_shape, dtype=dtype, device=data.device)
+    out = torch.empty(contract.output_sizes(op, data.shape, num_bits)[0], dtype=dtype, device=data.device)
     group_elems = out.numel() // num_groups
     block, rows, _ = tile(group_elems)
     args = (data, params, out, num_groups, group_elems)

@@ -36,6 +36,7 @@ Every ``*_violations`` function returns a list of human-readable violations (emp
 valid), each naming the condition and the values involved.
 """
 
+import math
 from typing import List
 
 # Each CUDA thread moves one 16-byte vector: 8 fp16 values.
@@ -341,6 +342,38 @@ def dequantize_violations(numel: int,
     return problems
 
 
+def output_sizes(op: str, in_shape, num_bits: int, local_world_size: int = 1):
+    """(shape, elements, divisor) of the codes or values `op` returns for an input of `in_shape`:
+    the shape DeepSpeed's binding gives them (the input's, its last dimension divided by the values
+    a byte packs for quantize, by the node's devices for quantized_reduction, multiplied by the
+    values a byte packs for dequantize and dequantize_fp32; swizzle_quant's flat), the elements its
+    kernel writes there (the input's whole length in the same ratio, whatever its shape), and the
+    divisor of the last dimension (1 where nothing is divided)."""
+    numel = math.prod(in_shape)
+    per_byte = values_per_byte(num_bits)
+    if op == "swizzle_quant":
+        return [numel // per_byte], numel // per_byte, 1
+    times, divisor = {"quantize": (1, per_byte), "quantized_reduction": (1, local_world_size)}.get(op, (per_byte, 1))
+    shape = list(in_shape)
+    shape[-1] = shape[-1] * times // divisor
+    return shape, numel * times // divisor, divisor
+
+
+def output_violations(op: str, in_shape, num_bits: int, local_world_size: int = 1) -> List[str]:
+    """The binding's output must hold exactly what the kernel writes, or the kernel writes past its
+    end: the input's last dimension a multiple of the divisor output_sizes divides it by."""
+    if not in_shape or num_bits not in SUPPORTED_BITS or local_world_size < 1:
+        return []  # every op's other rules refuse these (a 0-d input holds one value)
+    shape, written, divisor = output_sizes(op, in_shape, num_bits, local_world_size)
+    if in_shape[-1] % divisor:
+        return [
+            f"the input's last dimension {in_shape[-1]} (shape {list(in_shape)}) is not a multiple of {divisor}: the "
+            f"output, shaped {shape} as DeepSpeed's op shapes it, holds {math.prod(shape)} elements and the kernel "
+            f"writes {written}"
+        ]
+    return []
+
+
 def require(problems: List[str], op: str) -> None:
     if problems:
         raise ValueError(f"{op}: call outside the quantizer kernels' contract: " + "; ".join(problems))
@@ -397,7 +430,8 @@ class ContractCheckedQuantizer:
     def quantize(self, x, num_groups, num_bits, quant_type):
         require(
             tensor_violations(input=(x, "torch.float16")) + layout_violations(contiguous=[("input", x)]) +
-            quantize_violations(x.numel(), num_groups, num_bits), "quantize")
+            quantize_violations(x.numel(), num_groups, num_bits) + output_violations("quantize", x.shape, num_bits),
+            "quantize")
         return self.ops.quantize(x, num_groups, num_bits, quant_type)
 
     def swizzle_quant(self, x, num_groups, num_bits, quant_type, pipeline_size, num_nodes, local_world_size):
@@ -411,8 +445,8 @@ class ContractCheckedQuantizer:
         require(
             tensor_violations(data=(data, "torch.int8"), scales=(scales, "torch.float32")) +
             layout_violations(flat=[("data", data)], contiguous=[("scales", scales)]) + quantized_reduction_violations(
-                data.numel(), scales.numel(), in_groups, out_groups, num_bits, quant_type, local_world_size),
-            "quantized_reduction")
+                data.numel(), scales.numel(), in_groups, out_groups, num_bits, quant_type, local_world_size) +
+            output_violations("quantized_reduction", data.shape, num_bits, local_world_size), "quantized_reduction")
         return self.ops.quantized_reduction(data, scales, in_groups, out_groups, num_bits, quant_type,
                                             local_world_size)
 

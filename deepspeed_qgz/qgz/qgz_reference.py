@@ -123,15 +123,15 @@ def quantize(x: torch.Tensor, num_groups: int, num_bits: int, quant_type):
     params [num_groups, 1|2])."""
     contract.require(
         contract.tensor_violations(input=(x, "torch.float16")) +
-        contract.quantize_violations(x.numel(), num_groups, num_bits), "quantize")
+        contract.quantize_violations(x.numel(), num_groups, num_bits) +
+        contract.output_violations("quantize", x.shape, num_bits), "quantize")
     elems = x.numel() // num_groups
     asymmetric = _is_asymmetric(quant_type)
     rows = x.reshape(num_groups, elems).float()
     scale, offset = _params(rows, num_bits, asymmetric, contract.quantize_stat_slots(elems) > elems)
-    out_sizes = list(x.shape)
-    out_sizes[-1] //= contract.values_per_byte(num_bits)
+    out_shape = contract.output_sizes("quantize", x.shape, num_bits)[0]
     packed = _pack(_quantize(rows, scale, offset, num_bits), num_bits)
-    return packed.reshape(out_sizes), _stored_params(scale, offset).contiguous()
+    return packed.reshape(out_shape), _stored_params(scale, offset).contiguous()
 
 
 def swizzle_quant(x: torch.Tensor, num_groups: int, num_bits: int, quant_type, pipeline_size: int, num_nodes: int,
@@ -168,7 +168,9 @@ def quantized_reduction(data: torch.Tensor, scales: torch.Tensor, in_groups: int
     contract.require(
         contract.tensor_violations(data=(data, "torch.int8"), scales=(scales, "torch.float32")) +
         contract.quantized_reduction_violations(data.numel(), scales.numel(), in_groups, out_groups, num_bits,
-                                                quant_type, local_world_size), "quantized_reduction")
+                                                quant_type, local_world_size) +
+        contract.output_violations("quantized_reduction", data.shape, num_bits, local_world_size),
+        "quantized_reduction")
     return quantized_reduction_beyond_contract(data, scales, in_groups, out_groups, num_bits, quant_type,
                                                local_world_size)
 
@@ -205,10 +207,9 @@ def quantized_reduction_beyond_contract(data: torch.Tensor, scales: torch.Tensor
     rows = total.reshape(out_groups, out_elems).float()
     padded = contract.reduce_stat_slots(bytes_per_tensor // out_groups, num_bits) > out_elems
     scale, offset = _params(rows, num_bits, asymmetric, padded)
-    out_sizes = list(data.shape)
-    out_sizes[-1] //= local_world_size
+    out_shape = contract.output_sizes("quantized_reduction", data.shape, num_bits, local_world_size)[0]
     packed = _pack(_quantize(rows, scale, offset, num_bits), num_bits)
-    return packed.reshape(out_sizes), _stored_params(scale, offset).contiguous()
+    return packed.reshape(out_shape), _stored_params(scale, offset).contiguous()
 
 
 def _dequantize(name: str, data: torch.Tensor, params: torch.Tensor, num_groups: int, num_bits: int, quant_type,
@@ -220,9 +221,7 @@ def _dequantize(name: str, data: torch.Tensor, params: torch.Tensor, num_groups:
                                        torch.finfo(dtype).bits // 8), name)
     codes = _unpack(data, num_bits).reshape(num_groups, -1)
     values = _dequantize_rows(codes, params.reshape(num_groups, -1).float(), asymmetric).to(dtype)
-    out_sizes = list(data.shape)
-    out_sizes[-1] *= contract.values_per_byte(num_bits)
-    return values.reshape(out_sizes)
+    return values.reshape(contract.output_sizes(name, data.shape, num_bits)[0])
 
 
 def dequantize(data: torch.Tensor, params: torch.Tensor, num_groups: int, num_bits: int, quant_type) -> torch.Tensor:

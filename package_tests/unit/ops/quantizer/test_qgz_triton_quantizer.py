@@ -25,6 +25,7 @@ from hypothesis import assume, given, settings, strategies as st
 import deepspeed.comm as dist
 from deepspeed_qgz import triton_quantizer as tq
 from deepspeed_qgz.qgz import qgz_reference as ref
+from deepspeed_qgz.qgz.qgz_contract import ContractCheckedQuantizer
 
 from unit.common import DistributedTest
 from unit.qgz_util import cluster_inputs, device, quantizer, quantizer_caches, same_values, simulated_nodes
@@ -130,35 +131,78 @@ def test_node_sums_at_fp16s_limit(local_size, bits):
 
 
 @interpreted
-def test_every_output_byte_is_written(monkeypatch):
-    """Outputs allocated full of either of two poisons come back the reference's."""
+def test_every_output_byte_is_written_and_none_past_it(monkeypatch):
+    """Outputs allocated full of either of two poisons, each followed by guard bytes of the same
+    poison, come back the reference's in the CUDA op's shapes, their guard bytes untouched; over
+    inputs of one and two dimensions, the two below the refused shapes of
+    test_shapes_whose_outputs_the_kernels_would_overrun_are_refused among them."""
     x = (torch.randn(6 * 2 * 4104) * 3).half()
+    codes = ref.swizzle_quant(x[:288 * 2], 2, 4, 0, 1, 1, 2)
     calls = [
         ("swizzle_quant", lambda: (x, 12, 4, tq.Symmetric, 1, 3, 2)),
         ("swizzle_quant", lambda: (x[:6 * 136], 6, 8, tq.Symmetric, 1, 3, 2)),
+        ("swizzle_quant", lambda: (x.view(12, 4104), 12, 4, tq.Symmetric, 1, 2, 3)),
         ("quantized_reduction", lambda: (*ref.swizzle_quant(x, 12, 4, 0, 1, 1, 2), 12, 6, 4, tq.Symmetric, 2)),
+        ("quantized_reduction", lambda: (codes[0].view(16, 18), codes[1], 2, 1, 4, tq.Symmetric, 2)),
+        ("quantized_reduction", lambda: (codes[0].view(18, 16), codes[1], 2, 1, 4, tq.Symmetric, 2)),
         ("quantize", lambda: (x.view(12, 4104), 12, 8, tq.Symmetric)),
+        ("quantize", lambda: (x[:272].view(8, 34), 1, 4, tq.Symmetric)),
+        ("quantize", lambda: (x[:264].view(8, 33), 1, 8, tq.Symmetric)),
         ("dequantize", lambda: (*ref.swizzle_quant(x, 12, 4, 0, 1, 1, 1), 12, 4, tq.Symmetric)),
+        ("dequantize", lambda: (codes[0].view(16, 18), codes[1], 2, 4, tq.Symmetric)),
         ("dequantize_fp32", lambda: (*ref.swizzle_quant(x[:1000], 125, 8, 0, 1, 1, 1), 125, 8, tq.Symmetric)),
+        ("dequantize_fp32", lambda: (codes[0].view(16, 18), codes[1], 2, 4, tq.Symmetric)),
     ]
-    empty = torch.empty
+    empty, guard = torch.empty, 64
     for name, arguments in calls:
         args = arguments()
         want = getattr(ref, name)(*args)
         want = want if isinstance(want, tuple) else (want, )
         for poison in (0x5A, 0xA5):
+            guards = []
 
-            def poisoned(*size, **kwargs):
-                out = empty(*size, **kwargs)
-                out.view(torch.uint8).fill_(poison)
-                return out
+            def poisoned(*size, dtype, **kwargs):
+                shape = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+                room = empty(shape.numel() * dtype.itemsize + guard, dtype=torch.uint8, **kwargs).fill_(poison)
+                guards.append(room[-guard:])
+                return room[:-guard].view(dtype).view(shape)
 
             monkeypatch.setattr(torch, "empty", poisoned)
             got = getattr(tq, name)(*args)
             monkeypatch.setattr(torch, "empty", empty)
             got = got if isinstance(got, tuple) else (got, )
-            # flat, since quantize returns its scales flat (test_quantize_matches_reference_bit_for_bit)
-            assert same(tuple(g.reshape(-1) for g in got), tuple(w.reshape(-1) for w in want)), (name, hex(poison))
+            assert guards and all(bool((g == poison).all()) for g in guards), (name, args[0].shape, hex(poison))
+            # quantize's scales come back flat (test_quantize_matches_reference_bit_for_bit)
+            assert same(got[:1], want[:1]) and same(tuple(g.reshape(-1)
+                                                          for g in got[1:]), tuple(w.reshape(-1)
+                                                                                   for w in want[1:])), (name,
+                                                                                                         hex(poison))
+
+
+@interpreted
+@pytest.mark.parametrize("name, args, rule", [
+    ("quantize", lambda x: (x[:264].view(8, 33), 1, 4, tq.Symmetric),
+     r"last dimension 33 \(shape \[8, 33\]\) is not a multiple of 2: the output, shaped \[8, 16\] as DeepSpeed's op "
+     r"shapes it, holds 128 elements and the kernel writes 132"),
+    ("quantized_reduction", lambda x:
+     (ref.swizzle_quant(x[:544], 2, 4, 0, 1, 1, 2)[0].view(16, 17), torch.ones(2), 2, 1, 4, tq.Symmetric, 2),
+     r"last dimension 17 \(shape \[16, 17\]\) is not a multiple of 2: the output, shaped \[16, 8\] as DeepSpeed's op "
+     r"shapes it, holds 128 elements and the kernel writes 136"),
+])
+def test_shapes_whose_outputs_the_kernels_would_overrun_are_refused(monkeypatch, name, args, rule):
+    """Refused before any launch or allocation, naming the op, the shape and the rule, as the
+    reference and ContractCheckedQuantizer refuse them."""
+    args = args((torch.randn(4104) * 3).half())
+    monkeypatch.setattr(tq, "_launch", lambda *launch: pytest.fail(f"{name} launched {launch[0]}"))
+    monkeypatch.setattr(torch, "empty", lambda *size, **kwargs: pytest.fail(f"{name} allocated {size}"))
+    with pytest.raises(ValueError,
+                       match=f"^{name}: call outside the quantizer kernels' contract: .*{rule}") as refused:
+        getattr(tq, name)(*args)
+    with pytest.raises(ValueError) as by_reference:
+        getattr(ref, name)(*args)
+    assert str(refused.value) == str(by_reference.value)
+    with pytest.raises(ValueError, match=rule):  # and so does any op the contract wraps
+        getattr(ContractCheckedQuantizer(ref), name)(*args)
 
 
 SELF_CHECK = """
