@@ -38,9 +38,11 @@ contracted ``x * scale + 1.5 * 2**23`` would round once instead of twice.
 Self-check: the first call of each compiled variant in a process (at least what Triton compiles a
 binary for: the kernel, its constexprs, which integer arguments are 1 or multiples of 16 and which
 pointers are 16-byte aligned) is compared, bit for bit, with qgz_reference on that call's own inputs; a
-difference raises RuntimeError naming the op, the variant and the first value that differs, and
-nothing falls back. It costs the reference's run once per variant, on the call's device: on the
-largest exchange the series stages (2**27 values), a few GB for the moment it runs.
+difference, or the kernel or the reference raising, raises RuntimeError naming the op, the variant
+and the first value that differs, and nothing falls back. With torch.distributed initialized it
+raises on every rank at that call, naming the rank (``_checked_call`` says how and when not). It
+costs the reference's run once per variant, on the call's device: on the largest exchange the series
+stages (2**27 values), a few GB for the moment it runs.
 
 On CPU tensors the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is
 first imported), which is how the tests run them.
@@ -295,7 +297,10 @@ def _require_runnable(op: str, **tensors) -> None:
 # the self-check
 # ----------------------------------------------------------------------------------------------------
 
+# variants checked in this process; signatures (variants short of their pointers' alignment) the world
+# agreed on
 _checked = set()
+_agreed = set()
 
 
 def _variant(kernel, args, meta) -> tuple:
@@ -324,19 +329,52 @@ def _first_difference(got, want) -> Optional[str]:
     return f"value {index} of {got.numel()}: {got[index].item()!r}, expected {want[index].item()!r}"
 
 
+def _failures(failure: Optional[str], gather: bool) -> list:
+    """[(where, failure)] of this check, `failure` this rank's (None if it passed): every rank's if
+    `gather`, this process's alone where torch.distributed is not initialized."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [] if failure is None else [("in this process", failure)]
+    if not gather:
+        return [] if failure is None else [(f"on rank {torch.distributed.get_rank()} alone", failure)]
+    failures = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(failures, failure)
+    return [(f"on rank {rank} of {len(failures)}", found) for rank, found in enumerate(failures) if found is not None]
+
+
 def _checked_call(op: str, kernel, grid, args, meta, outputs, expected):
     """Launches `kernel`; on its variant's first launch in this process, compares `outputs` with
-    `expected()` (the reference's results on the same inputs)."""
+    `expected()` (the reference's results on the same inputs).
+
+    A check that fails on one rank fails on every rank, at the same call: each rank's verdict is
+    all-gathered (torch.distributed's default group, when it is initialized) at the first call of each
+    signature, the variant short of its pointers' alignment. A signature depends on the call's sizes
+    alone, and the ranks of qgZ and qwZ make the same calls with the same sizes in the same order, so
+    every rank reaches each signature's gathering at the same call, whatever the alignment of its
+    buffers, and none waits in a gathering another rank skips. Keyed by the variant, the gathering
+    would hang a healthy world whose ranks' buffers differ in alignment: a rank meeting a variant it
+    had not checked would wait for ranks that had. So a variant that differs from an agreed one in
+    alignment alone is checked on its rank alone, and a failure there raises on that rank alone. A rank
+    whose kernel or reference raises in the check still gathers, and every rank then raises."""
     variant = _variant(kernel, args, meta)
-    _launch(kernel, grid, args, meta)
-    if variant not in _checked:
+    if variant in _checked:
+        _launch(kernel, grid, args, meta)
+        return outputs
+    failure = error = None
+    try:
+        _launch(kernel, grid, args, meta)
         for got, want in zip(outputs, expected()):
-            difference = _first_difference(got, want)
-            if difference is not None:
-                raise RuntimeError(f"{op}: the Triton kernel's results differ from the reference's on its first call "
-                                   f"in this process ({difference}; variant {variant}); nothing falls back: unset "
-                                   f"DS_QGZ_QUANTIZER to use DeepSpeed's op")
-        _checked.add(variant)
+            failure = failure or _first_difference(got, want)
+    except Exception as raised:  # reaches every rank through the gathering below
+        failure, error = f"{type(raised).__name__}: {raised}", raised
+    signature = variant[:2] + (tuple(("ptr", ) if key[0] == "ptr" else key for key in variant[2]), )
+    failures = _failures(failure, gather=signature not in _agreed)
+    if failures:
+        raise RuntimeError(f"{op}: the Triton kernel's first call of a variant failed its check against the reference "
+                           f"(" + "; ".join(f"{where}: {found}" for where, found in failures) +
+                           f"; variant {variant}); nothing falls back: unset DS_QGZ_QUANTIZER to use DeepSpeed's "
+                           f"op") from error
+    _agreed.add(signature)
+    _checked.add(variant)
     return outputs
 
 

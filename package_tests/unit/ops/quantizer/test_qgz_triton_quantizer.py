@@ -13,9 +13,11 @@ flush-to-zero instruction in the PTX fails."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -248,8 +250,9 @@ def test_the_first_call_of_each_variant_is_checked_against_the_reference():
     lines = result.stdout.splitlines()
     assert len(lines) == 5, lines
     for line in lines[:2]:
-        assert line.startswith("refused swizzle_quant: the Triton kernel's results differ from the reference's")
-        assert "value 0 of 6" in line and "DS_QGZ_QUANTIZER" in line
+        assert line.startswith("refused swizzle_quant: the Triton kernel's first call of a variant failed its check "
+                               "against the reference (in this process: value 0 of 6: ")
+        assert "DS_QGZ_QUANTIZER" in line
     assert lines[2:] == [
         "ran after the reference was mended", "checked variant ran without the reference", "another variant refused"
     ]
@@ -267,6 +270,52 @@ def test_refusals_name_the_values():
     with pytest.raises(ValueError, match=r"data must be contiguous, got shape \(2, 16\)"):
         tq.dequantize(torch.zeros(16, 2, dtype=torch.int8).t(), torch.ones(8), 8, 4, tq.Symmetric)
     assert "not on xpu" in tq.unavailable_reason("xpu")
+
+
+@interpreted
+class TestFirstCallCheckAcrossTheWorld(DistributedTest):
+    """A first-call check that fails on one rank fails on every rank at that call, naming the rank
+    and what it found, and no rank waits for a collective's timeout: one rank's reference made to
+    differ, then another rank's made to raise; mended, the call runs everywhere. The seconds each
+    rank took to raise are printed."""
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("world_size", [2, 6])
+    def test_every_rank_raises_naming_the_failing_rank(self, world_size):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        # groups of 8 values: a variant no other test makes in these processes
+        x = (torch.randn(4 * 8, generator=torch.Generator().manual_seed(rank)) * 3).half()
+        args = (x, 4, 8, tq.Symmetric, 1, 1, 1)
+        right = ref.swizzle_quant
+
+        def differs(*args):
+            codes, scales = right(*args)
+            return codes, scales * 2
+
+        def raises(*args):
+            raise MemoryError("the reference ran out of memory")
+
+        cases = [(world - 1, differs, "value 0 of 4: "), (0, raises, "MemoryError: the reference ran out of memory")]
+        seconds = []
+        try:
+            for failing, wrong, found in cases:
+                ref.swizzle_quant = wrong if rank == failing else right
+                dist.barrier()
+                start = time.perf_counter()
+                with pytest.raises(RuntimeError, match=re.escape(f"(on rank {failing} of {world}: {found}")) as raised:
+                    tq.swizzle_quant(*args)
+                seconds.append(time.perf_counter() - start)
+                assert f"on rank {failing} of" in str(raised.value) and str(raised.value).count(f" of {world}: ") == 1
+                assert isinstance(raised.value.__cause__, MemoryError) == (wrong is raises and rank == failing)
+        finally:
+            ref.swizzle_quant = right
+        assert same(tq.swizzle_quant(*args), right(*args))
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, seconds)
+        if rank == 0:
+            for (failing, _, found), taken in zip(cases, zip(*every_rank)):
+                print(f"world of {world}, rank {failing}'s check failing ({found.split(':')[0]}): every rank raised, "
+                      f"in {min(taken):.2f} to {max(taken):.2f} s")
 
 
 @needs_triton
