@@ -13,8 +13,9 @@ qgZ and qwZ use). It reaches DeepSpeed's code through the package's one seam
 ``all_to_all_quant_reduce`` runs these kernels unchanged.
 
 What it changes against DeepSpeed's CUDA op: nothing to build with nvcc (Triton compiles the kernels
-when first launched); divisions rounded as IEEE defines them (the CUDA op is built with
-``--use_fast_math``, whose divisions may differ in the last bit of a scale); statistics reduced over
+when first launched); divisions rounded as IEEE defines them and fp32 subnormals kept (the CUDA op
+is built with ``--use_fast_math``, whose divisions may differ in the last bit of a scale and which
+flushes fp32 subnormals to zero: docs/numerics.md says when that shows); statistics reduced over
 whole tiles, never over lanes that do not exist. What it does not change: one launch per call, the
 bytes each call writes and, for groups of at most 4096 values, reads (a larger group is read twice,
 below), and the calls it accepts (the contract's, so that what runs here runs on the CUDA op too). Its
