@@ -343,20 +343,24 @@ def dequantize_violations(numel: int,
 
 
 def output_sizes(op: str, in_shape, num_bits: int, local_world_size: int = 1):
-    """(shape, elements, divisor) of the codes or values `op` returns for an input of `in_shape`:
-    the shape DeepSpeed's binding gives them (the input's, its last dimension divided by the values
-    a byte packs for quantize, by the node's devices for quantized_reduction, multiplied by the
-    values a byte packs for dequantize and dequantize_fp32; swizzle_quant's flat), the elements its
-    kernel writes there (the input's whole length in the same ratio, whatever its shape), and the
-    divisor of the last dimension (1 where nothing is divided)."""
-    numel = math.prod(in_shape)
-    per_byte = values_per_byte(num_bits)
+    """(shape, divisor) of the codes or values `op` returns for an input of `in_shape`: the shape
+    DeepSpeed's binding gives them, the input's with its last dimension divided by the values a byte
+    packs for quantize, by the node's devices for quantized_reduction, multiplied by the values a byte
+    packs for dequantize and dequantize_fp32 (swizzle_quant's flat), and that divisor (1 where
+    nothing is divided). Its kernel writes the input's whole length in the same ratio, whatever the
+    input's shape."""
     if op == "swizzle_quant":
-        return [numel // per_byte], numel // per_byte, 1
-    times, divisor = {"quantize": (1, per_byte), "quantized_reduction": (1, local_world_size)}.get(op, (per_byte, 1))
+        return [math.prod(in_shape) // values_per_byte(num_bits)], 1
     shape = list(in_shape)
-    shape[-1] = shape[-1] * times // divisor
-    return shape, numel * times // divisor, divisor
+    if op == "quantize":
+        divisor = values_per_byte(num_bits)
+    elif op == "quantized_reduction":
+        divisor = local_world_size
+    else:
+        shape[-1] *= values_per_byte(num_bits)
+        return shape, 1
+    shape[-1] //= divisor
+    return shape, divisor
 
 
 def output_violations(op: str, in_shape, num_bits: int, local_world_size: int = 1) -> List[str]:
@@ -364,14 +368,14 @@ def output_violations(op: str, in_shape, num_bits: int, local_world_size: int = 
     end: the input's last dimension a multiple of the divisor output_sizes divides it by."""
     if not in_shape or num_bits not in SUPPORTED_BITS or local_world_size < 1:
         return []  # every op's other rules refuse these (a 0-d input holds one value)
-    shape, written, divisor = output_sizes(op, in_shape, num_bits, local_world_size)
-    if in_shape[-1] % divisor:
-        return [
-            f"the input's last dimension {in_shape[-1]} (shape {list(in_shape)}) is not a multiple of {divisor}: the "
-            f"output, shaped {shape} as DeepSpeed's op shapes it, holds {math.prod(shape)} elements and the kernel "
-            f"writes {written}"
-        ]
-    return []
+    shape, divisor = output_sizes(op, in_shape, num_bits, local_world_size)
+    if in_shape[-1] % divisor == 0:
+        return []
+    return [
+        f"the input's last dimension {in_shape[-1]} (shape {list(in_shape)}) is not a multiple of {divisor}: the "
+        f"output, shaped {shape} as DeepSpeed's op shapes it, holds {math.prod(shape)} elements and the kernel "
+        f"writes {math.prod(in_shape) // divisor}"
+    ]
 
 
 def require(problems: List[str], op: str) -> None:
