@@ -22,6 +22,7 @@ import ast
 import builtins
 import functools
 import importlib.machinery
+import re
 import symtable
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -37,8 +38,10 @@ class GraftError(EditError):
 
 
 def release(version: str) -> Tuple[int, ...]:
-    """A release's number as a tuple ("0.17.6+cu121" -> (0, 17, 6))."""
-    return tuple(int(part) for part in version.split("+")[0].split(".")[:3])
+    """A release's number as a tuple ("0.17.6+cu121" -> (0, 17, 6)); () for a version that names none,
+    which is outside every range."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return tuple(int(part) for part in match.groups()) if match else ()
 
 
 def supported(version: str) -> bool:
