@@ -6,7 +6,7 @@
 # series changes and the release's of the rest (project_tests/test_overlay.py), the report's 3 x 2 job with qgZ on and off
 # (scripts/qgz_3x2/run.py --compare, which fails on a fallback, a reduce-scatter, a non-finite loss or
 # a loss beyond the tolerance of qgZ off's), and the repository's qgZ collective tests
-# (tests/unit/runtime/comm/, scripts/deepspeed_tests.sh). A release that does not install or fails
+# (tests/unit/runtime/comm/ but the cases that need a newer comms logger, scripts/deepspeed_tests.sh). A release that does not install or fails
 # any of them fails the script. Needs the main environment (scripts/setup_env.sh).
 #   bash scripts/releases_check.sh [pytest arguments]
 set -euo pipefail
@@ -29,7 +29,10 @@ for release in $RELEASES; do
     say "releases: $release: the report's 3 x 2 job, qgZ on and off"
     (cd "$WORK" && python "$ROOT/scripts/qgz_3x2/run.py" --compare)
     say "releases: $release: the qgZ collective tests"
-    (cd "$WORK" && QGZ_TEST_FILES=unit/runtime/comm bash "$ROOT/scripts/deepspeed_tests.sh" "$@")
+    # The any-shape and three-node cases count the collectives with comms_logger.get_total_operations, which
+    # DeepSpeed added after these releases (0.14.5 has none): they run on 0.19.8 only (scripts/test.sh).
+    (cd "$WORK" && QGZ_TEST_FILES=unit/runtime/comm bash "$ROOT/scripts/deepspeed_tests.sh" \
+        -k "not AnyShape and not ThreeNodes" "$@")
     rm -rf "$WORK"
     deactivate
 done
