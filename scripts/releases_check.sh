@@ -6,7 +6,8 @@
 # series changes and the release's of the rest (project_tests/test_overlay.py), the report's 3 x 2 job with qgZ on and off
 # (scripts/qgz_3x2/run.py --compare, which fails on a fallback, a reduce-scatter, a non-finite loss or
 # a loss beyond the tolerance of qgZ off's), and the repository's qgZ collective tests
-# (tests/unit/runtime/comm/ but the cases that need a newer comms logger, scripts/deepspeed_tests.sh). A release that does not install or fails
+# (tests/unit/runtime/comm/ but the cases that need a newer comms logger, scripts/deepspeed_tests.sh).
+# A release that does not install or fails
 # any of them fails the script. Needs the main environment (scripts/setup_env.sh).
 #   bash scripts/releases_check.sh [pytest arguments]
 set -euo pipefail
