@@ -22,8 +22,12 @@ deepspeed-qgz`` restores it completely.
 
 __version__ = "0.5.0"
 
-# The DeepSpeed releases this patch was tested on; elsewhere upstream is kept, with a warning.
-SUPPORTED_DEEPSPEED = ("0.19.8", )
+# The DeepSpeed releases the overlay installs on (what each gets: releases.py); outside them upstream is
+# kept, with a warning. The oldest is the first that imports with torch 2.13 (0.14.0 to 0.14.3 import names
+# torch's elastic agent no longer has: docs/upstreaming.md); the newest is the one the series' module and
+# hunks were made against.
+OLDEST_DEEPSPEED = "0.14.4"
+SERIES_DEEPSPEED = "0.19.8"
 
 DISABLE_ENV = "DS_QGZ_OVERLAY"
 # Which quantizer op qgZ and qwZ call: "triton" (this package's Triton kernels) or "deepspeed" (the default).

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import DISABLE_ENV, QUANTIZER_ENV, __version__
 from ._finder import TREE, overlay_state
+from .releases import edits_state, grafted_definitions, summary, whole_series
 from .replaced_modules import replace_module
 from .upstream_edits import EditError, apply_edits, edited_paths
 
@@ -38,12 +39,17 @@ def status(_args):
     print(f"deepspeed     {_version('deepspeed')} ({root / 'deepspeed' if root else 'not installed'})")
     print(f"torch         {torch.__version__}")
     print(f"overlay       {'ACTIVE' if active else 'INACTIVE'}: {reason}  (switch off: {DISABLE_ENV}=0)")
+    installed = _version("deepspeed")
+    if active:
+        print(f"series        {summary(installed)}")
     print("files:")
+    whole, edited = active and whole_series(installed), active and edits_state(installed)[0]
     for path, _ in _overlay_files():
-        kind = "replaces" if root and (root / path).exists() else "adds"
-        print(f"  {kind:8s} {path}")
+        kind = "adds" if not (root and (root / path).exists()) else "replaces" if whole or not active else "binds"
+        print(f"  {kind:8s} {path}" +
+              ("" if kind != "binds" else f": the series' {', '.join(grafted_definitions()[0])}, into this release's"))
     for path in edited_paths():
-        print(f"  {'edits':8s} {path}")
+        print(f"  {'edits' if edited or not active else 'keeps':8s} {path}")
     import deepspeed.runtime.zero.stage3 as stage3
     import deepspeed.runtime.comm.coalesced_collectives as collectives
     patched = hasattr(collectives, "quant_reduce_exchange_values")  # a name the series adds

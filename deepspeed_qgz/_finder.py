@@ -23,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import DISABLE_ENV, QUANTIZER_ENV, SUPPORTED_DEEPSPEED, __version__
+from . import DISABLE_ENV, OLDEST_DEEPSPEED, QUANTIZER_ENV, SERIES_DEEPSPEED, __version__
 
 TREE = Path(__file__).resolve().parent / "tree"
 
@@ -64,9 +64,10 @@ def overlay_state():
     installed = deepspeed_version()
     if installed is None:
         return False, "deepspeed is not installed"
-    if installed.split("+")[0] not in SUPPORTED_DEEPSPEED:
-        return False, (f"deepspeed {installed} is outside the tested releases {', '.join(SUPPORTED_DEEPSPEED)}; "
-                       "upstream modules are kept")
+    from .releases import supported
+    if not supported(installed):
+        return False, (f"deepspeed {installed} is outside the supported releases {OLDEST_DEEPSPEED} to "
+                       f"{SERIES_DEEPSPEED}; upstream modules are kept")
     return True, f"deepspeed-qgz {__version__} on deepspeed {installed}"
 
 
@@ -78,10 +79,19 @@ ANNOUNCE_ON_FIRST_CALL = ("deepspeed.runtime.comm.coalesced_collectives", ("all_
 
 
 class _AnnouncingLoader(importlib.machinery.SourceFileLoader):
+    """The series' module, or with `graft` a release's own module with the series' definitions bound
+    into it (releases.py)."""
     announced = False
+
+    def __init__(self, fullname, path, graft=False):
+        super().__init__(fullname, path)
+        self.graft = graft
 
     def exec_module(self, module):
         super().exec_module(module)
+        if self.graft:
+            from .releases import graft
+            graft(module)
         name, functions = ANNOUNCE_ON_FIRST_CALL
         if module.__name__ == name:
             for function in functions:
@@ -97,8 +107,11 @@ def _announce_first_call(fn, origin):
         if not _AnnouncingLoader.announced:
             _AnnouncingLoader.announced = True
             from deepspeed.utils.logging import log_dist
-            log_dist(f"qgZ overlay active: {overlay_state()[1]}, quantizer op {cached_quantizer()} ({origin})",
-                     ranks=[0])
+            from .releases import summary
+            log_dist(
+                f"qgZ overlay active: {overlay_state()[1]}, quantizer op {cached_quantizer()} ({origin}); "
+                f"{summary(deepspeed_version())}",
+                ranks=[0])
         return fn(*args, **kwargs)
 
     return wrapper
@@ -226,11 +239,17 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
                 OverlayFinder.warned = True
                 warnings.warn(f"deepspeed-qgz: {reason}", RuntimeWarning, stacklevel=2)
             return None
-        if origin is not None:
+        from .releases import edits_state, whole_series
+        if origin is not None and whole_series(deepspeed_version()):
             loader = _AnnouncingLoader(fullname, str(origin))
             return importlib.util.spec_from_file_location(fullname, origin, loader=loader)
         upstream = _upstream_spec(fullname, path)
         if upstream is None or upstream.origin is None:
+            return None
+        if origin is not None:
+            loader = _AnnouncingLoader(fullname, upstream.origin, graft=True)
+            return importlib.util.spec_from_file_location(fullname, upstream.origin, loader=loader)
+        if not edits_state(deepspeed_version())[0]:
             return None
         loader = _EditedLoader(fullname, upstream.origin, edited)
         return importlib.util.spec_from_file_location(fullname,

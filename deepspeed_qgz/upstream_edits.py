@@ -20,6 +20,7 @@ class Edit:
     path: str  # in DeepSpeed's source tree
     old: str  # found exactly once, and replaced
     new: str
+    patch: str  # the series' file of the hunk
 
     @property
     def in_package(self) -> bool:
@@ -46,7 +47,8 @@ class EditError(RuntimeError):
 SERIES_PATHS = ("deepspeed/runtime/zero/partition_parameters.py", "deepspeed/runtime/zero/config.py",
                 "deepspeed/runtime/zero/stage3.py", "deepspeed/runtime/engine.py", "docs/_pages/config-json.md",
                 "tests/unit/runtime/comm/test_coalesced_collectives.py")
-EDITS: Tuple[Edit, ...] = tuple(Edit(path, old, new) for path in SERIES_PATHS for _, old, new in series_edits(path))
+EDITS: Tuple[Edit, ...] = tuple(
+    Edit(path, old, new, patch) for path in SERIES_PATHS for patch, old, new in series_edits(path))
 
 
 def edited_paths(in_package: bool = True) -> Tuple[str, ...]:
@@ -66,7 +68,7 @@ def apply_edits(path: str, text: str) -> str:
             continue
         found = text.count(edit.old)
         if found != 1:
-            raise EditError(f"deepspeed-qgz: expected 1 occurrence of {edit.old[:80]!r}... in {path}, found {found}; "
-                            "this DeepSpeed release differs from the patched ones")
+            raise EditError(f"deepspeed-qgz: expected 1 occurrence of {edit.old[:80]!r}... in {path}, found {found} "
+                            f"(a hunk of {edit.patch}); this DeepSpeed release differs from the patched ones")
         text = text.replace(edit.old, edit.new)
     return text

@@ -4,10 +4,12 @@
 # DeepSpeed Team
 """The installed overlay, seen from fresh interpreters started outside the source tree."""
 
+import ast
 import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -80,16 +82,16 @@ def test_diff_cli_is_a_reviewable_patch():
 def test_untested_deepspeed_release_keeps_upstream(monkeypatch):
     import warnings
     from deepspeed_qgz import _finder
-    monkeypatch.setattr(_finder, "deepspeed_version", lambda: "0.18.0")
+    monkeypatch.setattr(_finder, "deepspeed_version", lambda: "0.14.3")
     monkeypatch.setattr(_finder.OverlayFinder, "warned", False)
     _finder.overlay_state.cache_clear()
     try:
         active, reason = _finder.overlay_state()
-        assert not active and "0.18.0 is outside the tested releases 0.19.8" in reason
+        assert not active and "0.14.3 is outside the supported releases 0.14.4 to 0.19.8" in reason
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert _finder.OverlayFinder().find_spec("deepspeed.runtime.comm.coalesced_collectives") is None
-        assert any("outside the tested releases" in str(w.message) for w in caught)
+        assert any("outside the supported releases" in str(w.message) for w in caught)
     finally:
         _finder.overlay_state.cache_clear()
 
@@ -117,3 +119,42 @@ def test_an_edit_that_no_longer_matches_fails_loudly():
     from deepspeed_qgz.upstream_edits import EditError, apply_edits
     with pytest.raises(EditError, match="expected 1 occurrence .* in deepspeed/runtime/zero/stage3.py, found 0"):
         apply_edits("deepspeed/runtime/zero/stage3.py", "class DeepSpeedZeroOptimizer_Stage3: pass\n")
+
+
+def _running_source(fn, name):
+    """The text, read where its code says it was compiled from, of the function `name` that `fn` is or
+    wraps (functools.wraps or a closure)."""
+    import inspect
+    found = [fn]
+    while found:
+        fn = found.pop()
+        if fn.__code__.co_name == name:
+            return inspect.getsource(fn)
+        found += [getattr(fn, "__wrapped__", None)] + [cell.cell_contents for cell in fn.__closure__ or ()]
+        found = [f for f in found if hasattr(f, "__code__")]
+    raise AssertionError(f"no function {name} in {fn}")
+
+
+def _source(path, name):
+    from deepspeed_qgz.replaced_modules import _source as definition
+    text = path.read_text()
+    node = next(node for node in ast.parse(text).body if getattr(node, "name", None) == name)
+    return definition(text.splitlines(keepends=True), node)
+
+
+def test_the_series_definitions_in_the_release_s_module():
+    """On any supported release, qgZ's module holds the series' definitions of what the series changes,
+    compiled from this repository's file (the one source), and the release's own of everything else."""
+    import deepspeed
+    import deepspeed.runtime.zero.stage3 as stage3
+    from deepspeed.runtime.comm import coalesced_collectives as module
+    from deepspeed_qgz.releases import grafted_definitions
+    series_file = Path(__file__).resolve().parents[1] / "deepspeed/runtime/comm/coalesced_collectives.py"
+    release_file = Path(deepspeed.__file__).parent / "runtime/comm/coalesced_collectives.py"
+    changed = grafted_definitions()[0]
+    assert "all_to_all_quant_reduce" in changed
+    releases = {node.name for node in ast.parse(release_file.read_text()).body if isinstance(node, ast.FunctionDef)}
+    for name in sorted(releases | {name for name in changed if callable(getattr(module, name))}):
+        assert _running_source(getattr(module, name),
+                               name) == _source(series_file if name in changed else release_file, name), name
+    assert stage3.all_to_all_quant_reduce is module.all_to_all_quant_reduce

@@ -44,9 +44,8 @@ def test_report_training_3_nodes_x_2(cpu_quantizer):
     # int4 codes and their scales take fewer bytes than the bf16 reduce-scatter's, padding to whole
     # groups included
     assert 0 < on["all_to_all"]["bytes"] < off["reduce_scatter"]["bytes"]
-    for rank, losses in qgz_losses.items():
-        for step, (loss, ref) in enumerate(zip(losses, exact_losses[rank])):
-            assert abs(loss - ref) <= 0.02 * abs(ref), (rank, step, loss, ref)
+    assert runner.within_tolerance(qgz_losses, exact_losses), (qgz_losses, exact_losses)
+    assert runner.FALLBACK_WARNING not in output
     # quantization changed the gradients, a little
     assert 0 < runner.relative_difference(qgz["weights"], exact["weights"]) < 0.05
     # the Triton op, plugged in through the seam, computes what the CPU op computes (both state the

@@ -14,10 +14,13 @@ accelerator's device count is skipped; `reuse_dist_env` keeps one pool of proces
 for the whole session. A failure in any process fails the test; pytest.skip in the processes
 skips it."""
 
+import importlib.util
 import multiprocessing
 import os
 import socket
+import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,20 @@ from deepspeed.accelerator import get_accelerator
 from qgz_harness import release_deepspeed_shm  # scripts/, on PYTHONPATH (scripts/deepspeed_tests.sh)
 
 TIMEOUT_S = int(os.environ.get("DS_UNITTEST_TIMEOUT", "600"))
+
+
+def _npu_quantizer_stand_in():
+    """DeepSpeed's tests take NPUQuantizer, its pure-PyTorch quantizer, on an accelerator with no
+    compiled one (the CPU); releases before 0.19 ship none. There this package's CPU op, which states
+    the CUDA kernels, stands in for it, in every process of the tests (scripts/releases_check.sh)."""
+    if importlib.util.find_spec("deepspeed.ops.op_builder.npu.quantizer") is None:
+        from deepspeed_qgz.cpu_quantizer import load
+        module = types.ModuleType("deepspeed.ops.op_builder.npu.quantizer")
+        module.NPUQuantizer = load()
+        sys.modules[module.__name__] = module
+
+
+_npu_quantizer_stand_in()
 
 
 def _free_port():

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# release_deepspeed_env VERSION VENV: a virtual environment VENV, activated, holding DeepSpeed VERSION
+# (from PyPI, its source distribution) and reading everything else (torch 2.13.0 CPU, DeepSpeed's
+# requirements, this package, the test tools) from the main environment QGZ_VENV made by
+# scripts/setup_env.sh: one torch install and one build of this package's CPU op for every release.
+# Its own DeepSpeed comes first on sys.path; its deepspeed_qgz.pth appends the main environment's
+# site-packages and then starts the overlay, as the main environment's .pth does. It is written after
+# pip has run, so that pip never sees (or uninstalls) the main environment's DeepSpeed. Ops build in a
+# cache of its own (TORCH_EXTENSIONS_DIR): another release's ops have the same names, and a build
+# shared by two releases is rebuilt at every switch. Sourced by scripts/run_3x2.sh and scripts/releases_check.sh;
+# needs ROOT and say (scripts/setup_env.sh, sourced first).
+release_deepspeed_env() {
+    local main_site
+    main_site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    if [ ! -x "$2/bin/python" ]; then
+        say "environment: DeepSpeed $1 in $2, torch and the tools from $(dirname "$(dirname "$(dirname "$main_site")")")"
+        python3 -m venv "$2"
+    fi
+    # shellcheck disable=SC1091
+    source "$2/bin/activate"
+    export PIP_DISABLE_PIP_VERSION_CHECK=1
+    local site
+    site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    rm -f "$site/deepspeed_qgz.pth"
+    export TORCH_EXTENSIONS_DIR="$2/torch_extensions"
+    pip install -q --no-deps "deepspeed==$1"
+    printf '%s\nimport deepspeed_qgz._startup\n' "$main_site" >"$site/deepspeed_qgz.pth"
+    export TORCH_EXTENSIONS_DIR="$2/torch_extensions"
+    local installed
+    installed=$(python -c 'from importlib.metadata import version; print(version("deepspeed"))')
+    [ "$installed" = "$1" ] || { say "environment: DeepSpeed $installed installed in $2, not $1"; return 1; }
+}
