@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The pull-request series, upstream/*.patch, in order, on a stand-in for DeepSpeed's master made from
 # DeepSpeed 0.19.8's source distribution (scripts/series.py: master's module, checked by its git blob
-# id). First, each pull request's size is the one its message and the two tables (README.md,
-# docs/PULL_REQUEST.md) state. Then, for each pull request: its own tests fail on the tree before it
-# (some may pass: they guard what it must keep; the first failure ends that run), its source hunks
-# apply with git apply, and DeepSpeed's hooks pass on what it changes; after the last, every pull
-# request's tests pass (each one's after itself is run on DeepSpeed's harness: docs/upstreaming.md),
-# and those of test_zeropp.py on DeepSpeed 0.19.8 with the overlay too; and what the overlay installs of
-# DeepSpeed's files (the series' own hunks on 0.19.8's, or the series' result carried whole) is the
-# series' result, byte for byte.
+# id, and DeepSpeed's file modes). First, each pull request's size is the one its message and the two
+# tables (README.md, docs/PULL_REQUEST.md) state, and each patch's index lines name the blob and mode
+# of what it applies to. Then the series is applied one pull request at a time, as a maintainer
+# merges or bisects it: its own tests fail on the tree before it (all of them run; some may pass:
+# they guard what it must keep), its source hunks apply with git apply, DeepSpeed's hooks pass on
+# what it changes, and its tests and every earlier pull request's in the modules it changes pass on
+# the tree with it (below: why the other module's need not run). After the last, every pull
+# request's pass, those of test_zeropp.py on DeepSpeed 0.19.8 with the overlay too; and what the
+# overlay installs of DeepSpeed's files (the series' own hunks on 0.19.8's, or the series' result
+# carried whole) is the series' result, byte for byte.
 # DeepSpeed's own test modules are not in the source distribution: the tests the series adds to each
 # of them run as a module of their own (up to the pull request checked), on the DistributedTest
-# stand-in, with LOCAL_SIZE=10
-# (docs/upstreaming.md says what ran on DeepSpeed's own harness). Run by scripts/test.sh; alone:
+# stand-in, with LOCAL_SIZE=10 (docs/upstreaming.md). Run by scripts/test.sh; alone:
 #   bash scripts/check_series.sh [pytest arguments]     (after scripts/setup_env.sh has run once)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,6 +30,8 @@ pip download -q --no-deps --no-binary :all: -d "$WORK" deepspeed==0.19.8
 tar xzf "$WORK"/deepspeed-0.19.8.tar.gz -C "$WORK"
 TREE=$WORK/deepspeed-0.19.8
 python "$ROOT/scripts/series.py" stand-in "$TREE"
+say "series: each patch's index lines, against the stand-in and the patches before it"
+python "$ROOT/scripts/series.py" index "$TREE"
 # the files the series changes, before it, for the overlay's reading of its hunks (below)
 mkdir -p "$TREE.orig/deepspeed/runtime/zero"
 cp "$TREE"/deepspeed/runtime/zero/{partition_parameters,config,stage3}.py "$TREE.orig/deepspeed/runtime/zero/"
@@ -43,12 +46,12 @@ for patch in "${PATCHES[@]}"; do
     name=$(basename "$patch" .patch)
     mapfile -t MODULES < <(python "$ROOT/scripts/series.py" tests "$patch" "$WORK/tests/unit")
     # the tests it adds (the earlier pull requests' pass there), and each module where it changes
-    # earlier tests instead; one failure is the verdict: the run stops there
+    # earlier tests instead
     mapfile -t TARGETS < <(python "$ROOT/scripts/series.py" own "$patch")
     TARGETS=("${TARGETS[@]/#/unit/}")
     say "series: $name: its tests before it (they must fail)"
     status=0
-    run_tests --tb=line --maxfail=1 "${TARGETS[@]}" "$@" || status=$?
+    run_tests --tb=line "${TARGETS[@]}" "$@" || status=$?
     if [ "$status" -ne 1 ]; then
         say "series: $name: its tests before it gave pytest's exit status $status, not 1 (tests failed)"
         exit 1
@@ -57,14 +60,22 @@ for patch in "${PATCHES[@]}"; do
     mapfile -t FILES < <(grep '^diff --git ' "$WORK/source.patch" | sed 's|^diff --git a/\([^ ]*\) .*|\1|')
     say "series: $name: git apply, its source hunks (${#FILES[@]} files)"
     git -C "$TREE" apply --whitespace=error-all "$WORK/source.patch"
-    if [ "$patch" = "${PATCHES[-1]}" ]; then
-        say "series: $name: every pull request's tests, after it"
-        run_tests "$WORK"/tests/unit/test_series_*.py "$@"
-    fi
+    python "$ROOT/scripts/series.py" applied "$patch" "$TREE"
     say "series: $name: DeepSpeed's hooks on the files it changes"
     (cd "$TREE" && bash "$ROOT/scripts/deepspeed_hooks.sh" "${FILES[@]}")
     # the added test lines, as the modules above hold them (their headers' imports may go unused)
     (cd "$WORK/tests" && bash "$ROOT/scripts/deepspeed_hooks.sh" --unused-imports "${MODULES[@]/#/unit/}")
+    # Every earlier pull request's tests in the modules it changes run again. The other module's
+    # exercise none of the code it changes: test_coalesced_collectives.py's call the collectives
+    # alone, and test_zeropp.py's train with qgZ off but for the keys' tests, from whose pull
+    # request on every pull request changes both modules. After the last, every module runs.
+    if [ "$patch" = "${PATCHES[-1]}" ]; then
+        say "series: $name: every pull request's tests, after it"
+        run_tests "$WORK"/tests/unit/test_series_*.py "$@"
+    else
+        say "series: $name: its tests and every earlier pull request's in the modules it changes, after it"
+        run_tests "${MODULES[@]/#/unit/}" "$@"
+    fi
 done
 # What users install today, DeepSpeed 0.19.8 with this repository's overlay, must pass the series' tests
 # too: those of test_zeropp.py here (test_coalesced_collectives.py, the series' result of master's, is

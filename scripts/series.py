@@ -16,14 +16,21 @@
   python scripts/series.py source PATCH OUT  PATCH without its hunks of tests/ and docs/ (what applies
                                              to a source distribution, which ships neither)
   python scripts/series.py sizes             each patch's source and test lines, as its message,
-                                             the README and docs/PULL_REQUEST.md state them
+                                             the README and docs/PULL_REQUEST.md state them; its
+                                             message at most MESSAGE_LINES lines
+  python scripts/series.py index DIR         each patch's index lines name the git blob and mode of
+                                             the file it applies to: DIR's (the stand-in), master's
+                                             (the files a source distribution does not ship) or the
+                                             patch before it's
+  python scripts/series.py applied PATCH DIR PATCH's source files in DIR, after it, are the blobs its
+                                             index lines name
 
 The series is made against DeepSpeed's master at MASTER. Master's coalesced_collectives.py differs
 from 0.19.8's in one definition the series edits (the average), and the series' patches show
 master's lines of it as their context and removed lines. `stand-in` puts those lines (the first
 patch's that changes it: the later ones show the series') in place of 0.19.8's and accepts the
 result only if its git blob id is master's, so the stand-in's module is
-master's file, byte for byte. Its other files, 0002's partition_parameters.py among them, are
+master's file, byte for byte. Its other files, partition_parameters.py among them, are
 0.19.8's. DeepSpeed's test modules are not in the source distribution: `tests`
 runs the tests the series adds to a module up to a patch (a later patch's tests may use an earlier
 one's helpers), with the imports that module has, and the module's own tests run where a DeepSpeed
@@ -41,6 +48,15 @@ from deepspeed_qgz.series import file_diffs
 MASTER = "17b3b557120923866d02a45dc0598d8688303e0a"
 # git blob ids of master's files that the stand-in must reproduce
 MASTER_BLOBS = {"deepspeed/runtime/comm/coalesced_collectives.py": "1b7153e73c6d26a7efe6dc8973876e16e5a7be9b"}
+# the modes of the series' files that DeepSpeed's git holds as executable (a source distribution keeps none)
+MASTER_EXECUTABLE = ("deepspeed/runtime/engine.py", "deepspeed/runtime/zero/partition_parameters.py",
+                     "docs/_pages/config-json.md")
+# (git blob id, mode) of master's files that the series changes and a source distribution does not ship
+MASTER_NOT_SHIPPED = {
+    "tests/unit/runtime/comm/test_coalesced_collectives.py": ("160d79283d15c302bfa2596c7cecf86ea5040d14", "100644"),
+    "tests/unit/runtime/zero/test_zeropp.py": ("b575102359865dc925ef8e8df03f9b7d71b01bc6", "100644"),
+    "docs/_pages/config-json.md": ("df064c7d3ae93fc46d765a8505c103a08994da24", "100755"),
+}
 
 TEST_MODULE_HEADER = '''# Copyright (c) Microsoft Corporation.
 # SPDX-License-Identifier: Apache-2.0
@@ -118,6 +134,59 @@ def stand_in(tree: Path, patches):
             sys.exit(f"stand-in: {path} is not master's ({MASTER[:8]}): blob {blob_id(data)}, master's {blob}")
         target.write_bytes(data)
         print(f"stand-in: {path} is master's ({MASTER[:8]}, blob {blob[:12]})")
+    for path in MASTER_EXECUTABLE:
+        if (tree / path).exists():
+            (tree / path).chmod(0o755)
+
+
+def _mode(path: Path) -> str:
+    return "100755" if path.stat().st_mode & 0o100 else "100644"
+
+
+def index_lines(patch: Path):
+    """{path: (blob before, blob after, mode)} of a patch's index lines."""
+    lines, path = {}, None
+    for line in patch.read_text().splitlines():
+        if line.startswith("diff --git "):
+            path = line.split(" b/", 1)[1]
+        elif line.startswith("index ") and path:
+            blobs, mode = line.split()[1:3]
+            lines[path] = (*blobs.split(".."), mode)
+            path = None
+    return lines
+
+
+def index(tree: Path, patches):
+    """Each patch's blob before and mode, for every file it changes, are those of the file it applies to:
+    the stand-in's, master's where a source distribution does not ship the file, or the patch before's."""
+    state = {}
+    for patch in patches:
+        for path, (before, after, mode) in index_lines(patch).items():
+            if path not in state:
+                if (tree / path).exists():
+                    state[path] = (blob_id((tree / path).read_bytes()), _mode(tree / path))
+                elif path in MASTER_NOT_SHIPPED:
+                    state[path] = MASTER_NOT_SHIPPED[path]
+                else:
+                    sys.exit(f"index: {patch.name} changes {path}, which is neither the stand-in's nor master's")
+            blob, held_mode = state[path]
+            if not blob.startswith(before) or mode != held_mode:
+                sys.exit(f"index: {patch.name}: {path} is {before} {mode} in its index line, {blob[:12]} {held_mode} "
+                         "in the tree it applies to")
+            state[path] = (after, mode)
+    print(f"index: every patch's index lines name the blobs and modes of the files it applies to "
+          f"({len(state)} files)")
+
+
+def applied(patch: Path, tree: Path):
+    """The source files a patch changed in `tree` are the blobs its index lines name after it."""
+    for path, (_, after, mode) in index_lines(patch).items():
+        if is_test(path) or is_docs(path):
+            continue
+        blob = blob_id((tree / path).read_bytes())
+        if not blob.startswith(after) or _mode(tree / path) != mode:
+            sys.exit(
+                f"applied: {patch.name}: {path} is {blob[:12]} {_mode(tree / path)}, its index line {after} {mode}")
 
 
 def test_hunks(patch: Path):
@@ -192,8 +261,13 @@ def own(patch: Path):
             print(module_name(path) + (f"::{name}" if name else ""))
 
 
+# a pull request's description is what a reviewer reads whole
+MESSAGE_LINES = 40
+
+
 def sizes(root: Path):
-    """Each patch's size as its own message, the README's table and the cover letter's state it."""
+    """Each patch's size as its own message, the README's table and the cover letter's state it, and its
+    message no longer than MESSAGE_LINES."""
     tables = {name: (root / name).read_text() for name in ("README.md", "docs/PULL_REQUEST.md")}
     for patch in sorted((root / "upstream").glob("*.patch")):
         text = patch.read_text()
@@ -205,6 +279,12 @@ def sizes(root: Path):
         source_lines, test_lines = (f"+{added} -{removed}" if removed else f"+{added}"
                                     for added, removed in (counts[False], counts[True]))
         stated = {"its message": f"Size: {source_lines} source lines, {test_lines} test lines." in text}
+        message = text[text.index("Subject: "):text.index("\n---\n")].splitlines()
+        if len(message) > MESSAGE_LINES:
+            sys.exit(f"sizes: {patch.name}'s message has {len(message)} lines, more than {MESSAGE_LINES}")
+        # a description says what changes and what was measured, not how it was reviewed
+        if re.search(r"\breview", "\n".join(message), re.IGNORECASE):
+            sys.exit(f"sizes: {patch.name}'s message speaks of a review")
         for name, text in tables.items():
             rows = [row for row in text.splitlines() if row.startswith(f"| [{patch.name[:4]}](")]
             stated[name] = len(rows) == 1 and f"| {source_lines} | {test_lines} |" in rows[0]
@@ -236,6 +316,10 @@ if __name__ == "__main__":
         own(Path(args[0]))
     elif command == "sizes":
         sizes(Path(__file__).resolve().parents[1])
+    elif command == "index":
+        index(Path(args[0]), sorted((Path(__file__).resolve().parents[1] / "upstream").glob("*.patch")))
+    elif command == "applied":
+        applied(Path(args[0]), Path(args[1]))
     elif command == "source":
         source(Path(args[0]), Path(args[1]))
     else:
