@@ -68,10 +68,14 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
             # share one exchange (3 kernels and 4 all-to-alls instead of that many per tensor), each in
             # the groups it has alone, up to quant_reduce_exchange_values staged values.
             staged = global_world_size * group_size * math.ceil(tensor.numel() / global_world_size / group_size)
-            exchange = open_exchanges.get(group_size)
+            # except an fp16 gradient of whole groups in whole partitions, which the kernels read in place,
+            # alone: sharing an exchange would copy it
+            in_place = tensor.dtype == torch.half and tensor.is_contiguous() and staged == tensor.numel()
+            key = (group_size, idx if in_place else None)
+            exchange = open_exchanges.get(key)
             if exchange is None or exchange_values[exchange] + staged > quant_reduce_exchange_values:
-                exchange = open_exchanges[group_size] = len(exchanges)
-                exchanges.append((group_size, []))
+                exchange = open_exchanges[key] = len(exchanges)
+                exchanges.append((group_size, [], in_place))
                 exchange_values.append(0)
             exchanges[exchange][1].append(idx)
             exchange_values[exchange] += staged
@@ -79,15 +83,17 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
         # one reduce-scatter for all of them
         for idx, output in zip(unquantized, reduce_scatter_coalesced([tensors[idx] for idx in unquantized])):
             output_lst[idx] = output
-    if exchanges:
-        # The kernels compute in fp16 whatever the gradients' dtype, so each gradient goes in scaled by
-        # the power of two that puts its largest magnitude on any rank below 2**15 / world: the sum of
-        # the world stays in fp16's range, and small gradients stay above its subnormals.
-        quantized = [idx for _, indices in exchanges for idx in indices]
-        norms = [torch.linalg.vector_norm(tensors[idx], math.inf) for idx in quantized]
+    # The kernels compute in fp16, so each bf16 or fp32 gradient goes in scaled by the power of two that puts
+    # its largest magnitude on any rank below 2**15 / world: the sum of the world stays in fp16's range, and
+    # small gradients stay above its subnormals. fp16 gradients are the kernels' own: their range is the
+    # loss scaler's, which sees a sum beyond it come back inf or NaN.
+    rescaled = [idx for _, indices, _ in exchanges for idx in indices if tensors[idx].dtype != torch.half]
+    scales, unscales = {}, {}
+    if rescaled:
+        norms = [torch.linalg.vector_norm(tensors[idx], math.inf) for idx in rescaled]
         largest = torch.stack(norms).float()
-        # A gradient holding NaN or inf on any rank comes back NaN in every partition: the kernels'
-        # max reductions skip NaN (fmaxf), which then quantizes to 0, and so may the MAX below.
+        # A gradient holding NaN or inf on any rank has no scale (and the MAX below may drop NaN): it comes
+        # back NaN in every partition.
         largest.nan_to_num_(nan=math.inf, posinf=math.inf)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         # largest < 2**exponents, from its fp32 exponent field (0 and the subnormals give -126), and
@@ -99,36 +105,53 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
         down = ((127 - exponents) << 23).view(torch.float32)
         up = ((127 + exponents) << 23).view(torch.float32)
         up = torch.where(largest.isfinite(), up, math.nan)
-        scales = dict(zip(quantized, down.split(1)))
-        unscales = dict(zip(quantized, up.split(1)))
-    for group_size, indices in exchanges:
+        scales = dict(zip(rescaled, down.split(1)))
+        unscales = dict(zip(rescaled, up.split(1)))
+    for group_size, indices, in_place in exchanges:
         # The kernels cut their input into world-size partitions of whole quantization groups and
         # drop what does not divide evenly (#5054), so give them each tensor's reduce_scatter_coalesced
         # partitions, each padded with zeros to whole groups: rank r's side by side in row r.
         partition_sizes = [math.ceil(tensors[idx].numel() / global_world_size) for idx in indices]
         padded_sizes = [group_size * math.ceil(size / group_size) for size in partition_sizes]
-        padded = torch.zeros(global_world_size, sum(padded_sizes), dtype=torch.half, device=tensors[indices[0]].device)
-        offset = 0
-        for idx, partition_size, padded_size in zip(indices, partition_sizes, padded_sizes):
-            tensor = tensors[idx]
-            flat = tensor.reshape(-1)
-            # scaled, the full partitions in one multiply, then the short one that remains unless the
-            # world divides the tensor
-            full_partitions = tensor.numel() // partition_size
-            last_start = full_partitions * partition_size
-            last_size = tensor.numel() - last_start
-            torch.mul(flat[:last_start].view(full_partitions, partition_size),
-                      scales[idx],
-                      out=padded[:full_partitions, offset:offset + partition_size])
-            if last_size:
-                torch.mul(flat[last_start:], scales[idx], out=padded[full_partitions, offset:offset + last_size])
-            offset += padded_size
+        if in_place:
+            padded = tensors[indices[0]]
+        else:
+            # the kernels read fp16 whatever the gradients' dtype: bf16 and fp32 ones go in scaled
+            # into its range (above)
+            padded = torch.zeros(global_world_size,
+                                 sum(padded_sizes),
+                                 dtype=torch.half,
+                                 device=tensors[indices[0]].device)
+            offset = 0
+            for idx, partition_size, padded_size in zip(indices, partition_sizes, padded_sizes):
+                tensor = tensors[idx]
+                flat = tensor.reshape(-1)
+                # scaled, the full partitions in one multiply, then the short one that remains unless the
+                # world divides the tensor
+                full_partitions = tensor.numel() // partition_size
+                last_start = full_partitions * partition_size
+                last_size = tensor.numel() - last_start
+                torch.mul(flat[:last_start].view(full_partitions, partition_size),
+                          scales.get(idx, 1),
+                          out=padded[:full_partitions, offset:offset + partition_size])
+                if last_size:
+                    torch.mul(flat[last_start:],
+                              scales.get(idx, 1),
+                              out=padded[full_partitions, offset:offset + last_size])
+                offset += padded_size
         intra_quant_group = padded.numel() // group_size
 
         inter_quant_group = intra_quant_group // local_world_size
         intra_quant_int4, intra_q_scales = quantizer_module.swizzle_quant(padded, intra_quant_group, intra_node_bits,
                                                                           quantizer_module.Symmetric, 1, num_nodes,
                                                                           local_world_size)
+        # The kernels' max reductions skip NaN and their conversion to int makes it 0, so a group holding NaN
+        # or inf goes with a NaN scale, which travels with its codes: it comes back NaN, for the overflow
+        # check. Its largest magnitude times 0 is 0, or NaN there; swizzle_quant puts partition
+        # node * devices + device in slot device * nodes + node.
+        marks = torch.linalg.vector_norm(padded.view(-1, group_size), math.inf, dim=1).mul_(0)
+        marks = marks.view(num_nodes, local_world_size, -1).transpose(0, 1)
+        intra_q_scales.view(local_world_size, num_nodes, -1).add_(marks)
         local_output = torch.empty_like(intra_quant_int4)
         scale_output = torch.empty_like(intra_q_scales)
         all_to_all_single(local_output, intra_quant_int4, group=groups[f'local_{intra_idx}'])
@@ -151,6 +174,8 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
             global_input_tensor, global_scales = quantizer_module.swizzle_quant(node_sums.half(), inter_quant_group, 4,
                                                                                 quantizer_module.Symmetric, 1, 1, 1)
             del node_sums
+        # a group marked on any device of the node marks their sum
+        global_scales.view(-1).add_(scale_output.view(local_world_size, -1).sum(0).mul_(0))
         global_output = torch.empty_like(global_input_tensor)
         global_scale_output = torch.empty_like(global_scales)
         all_to_all_single(global_output, global_input_tensor, group=groups[f'global_{inter_idx}'])
@@ -169,12 +194,14 @@ def all_to_all_quant_reduce(tensors: List[Tensor],
             # the last ranks' are shorter or empty
             partition_start = min(this_rank * partition_size, tensor.numel())
             partition_end = min(partition_start + partition_size, tensor.numel())
-            # in the dtype, multiplied back (in fp32, the scales' dtype) and kept within the dtype's
-            # range: fp16's rounding takes a gradient at fp32's largest value past it
             output = average.narrow(0, offset, partition_end - partition_start).to(tensor.dtype)
-            output.mul_(unscales[idx])
-            finfo = torch.finfo(tensor.dtype)
-            output_lst[idx] = output.clamp_(-finfo.max, finfo.max)
+            if idx in unscales:
+                # multiplied back (in fp32, the scales' dtype) and kept within the dtype's range: fp16's
+                # rounding takes a gradient at fp32's largest value past it
+                output.mul_(unscales[idx])
+                finfo = torch.finfo(tensor.dtype)
+                output.clamp_(-finfo.max, finfo.max)
+            output_lst[idx] = output
             offset += padded_size
         # free this exchange's buffers before the next one stages its own
         del padded, intra_quant_int4, local_output, global_input_tensor, global_output, final_output
