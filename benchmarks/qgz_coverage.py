@@ -14,7 +14,7 @@ Weights (qwZ): the share of a model's weight elements DeepSpeed 0.19.8's quantiz
 take, each parameter gathered alone (its partition ceil(numel / world) must be a multiple of 8
 that its group search splits into groups below 16000 values, else an AssertionError stops
 training), and of that the share whose quantize call leaves the contract; against the patch's
-(every parameter) and the padding the series' quantizer (upstream/0008, 0009) adds to the all-gather.
+(every parameter) and the padding the series' quantizer (upstream/0009) adds to the all-gather.
 
     python benchmarks/qgz_coverage.py
 """
@@ -75,7 +75,7 @@ def coverage(shapes, nodes, devices):
 
 
 def series_padding_elems(shape, world, max_group_size=40960):
-    """The zeros the series' all_to_all_quant_reduce (upstream/0001, 0012) stages for a gradient of
+    """The zeros the series' all_to_all_quant_reduce (upstream/0004, 0012) stages for a gradient of
     `shape` on `world` ranks: each rank's partition padded to whole groups of the shape rule's size
     (max(shape[0], shape[1], world) groups, whole vectors of 8 values, 136 to max_group_size)."""
     n = numel(shape)
@@ -96,7 +96,7 @@ def upstream_weight_groups(partition):
 
 
 def series_padding(partition):
-    """The values the series' CUDAQuantizer.quantize (upstream/0008, 0009) adds to a partition of
+    """The values the series' CUDAQuantizer.quantize (upstream/0009) adds to a partition of
     `partition` values: the length of its codes, from a stand-in op that returns its input."""
 
     class ReturnsInput:

@@ -22,10 +22,14 @@ say "series: the pull requests under upstream/, in the background (their output 
 bash "$ROOT/scripts/check_series.sh" "$@" >"$WORK/series.log" 2>&1 &
 SERIES=$!
 # The older releases (one of each version of qgZ's module) set up and run one after the other in
-# environments of their own; they mostly build their ops and wait on their worlds, so they run beside the rest.
-say "releases: the overlay on older DeepSpeed releases (scripts/releases_check.sh), in the background (their output follows the series')"
-bash "$ROOT/scripts/releases_check.sh" "$@" >"$WORK/releases.log" 2>&1 &
-RELEASES=$!
+# environments of their own, each building DeepSpeed's ops anew: minutes a release, which the 25 minutes
+# of this script do not hold yet, so they run where QGZ_RELEASES_CHECK=1 asks (docs/testing.md).
+RELEASES=
+if [ "${QGZ_RELEASES_CHECK:-0}" = 1 ]; then
+    say "releases: the overlay on older DeepSpeed releases (scripts/releases_check.sh), in the background (their output follows the series')"
+    bash "$ROOT/scripts/releases_check.sh" "$@" >"$WORK/releases.log" 2>&1 &
+    RELEASES=$!
+fi
 bash "$ROOT/scripts/lint.sh"
 wait_for_deepspeed_ops
 # The two suites run side by side: each keeps about one of two cores busy (their worlds' processes
@@ -44,9 +48,11 @@ cat "$WORK/project_tests.log"
 say "series: the pull requests under upstream/ (run beside the rest)"
 wait "$SERIES" || status=$?
 cat "$WORK/series.log"
-say "releases: the overlay on older DeepSpeed releases (run beside the rest)"
-wait "$RELEASES" || status=$?
-cat "$WORK/releases.log"
+if [ -n "$RELEASES" ]; then
+    say "releases: the overlay on older DeepSpeed releases (run beside the rest)"
+    wait "$RELEASES" || status=$?
+    cat "$WORK/releases.log"
+fi
 [ "$status" -eq 0 ] || { say "suite: FAILED (above)"; exit 1; }
 bash "$ROOT/scripts/check_intree.sh" "$@"
 say "all checks passed"
