@@ -356,7 +356,9 @@ class TestSeriesOnTritonOp(DistributedTest):
             for got, want in zip(triton_outputs, cpu_outputs):
                 assert got.shape == want.shape and got.dtype == want.dtype
                 assert bool(same_values(got, want).all())
-        assert results["triton"][0][1].isnan().all(), "an inf on one rank is NaN in every partition"
+        if rank == 0:
+            # an inf on one rank makes its quantization group NaN, for the overflow check (position 1 is rank 0's)
+            assert results["triton"][0][1].view(-1)[1].isnan(), "an inf on one rank is NaN in its group"
 
     @pytest.mark.parametrize("intra_node_bits", [4, 8])
     @pytest.mark.parametrize("local_size", [2, 3])
