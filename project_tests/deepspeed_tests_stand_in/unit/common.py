@@ -47,6 +47,13 @@ def _npu_quantizer_stand_in():
 
 _npu_quantizer_stand_in()
 
+# The worlds' processes fork from a server that has imported this module (torch, DeepSpeed and the
+# quantizer op with it) once: a process that imports them itself spends seconds of CPU before it
+# runs a test, which made most of a session's time (forking is safe here: the server runs no
+# collective and no OpenMP region).
+FORKSERVER = multiprocessing.get_context("forkserver")
+FORKSERVER.set_forkserver_preload([__name__])
+
 
 def _free_port():
     with socket.socket() as sock:
@@ -69,7 +76,7 @@ class DistributedTest:
         if self.reuse_dist_env and world in DistributedTest._pools:
             pool, port, init_file = DistributedTest._pools[world]
         else:
-            pool = multiprocessing.get_context("forkserver").Pool(world)
+            pool = FORKSERVER.Pool(world)
             port = _free_port()
             init_file = tempfile.NamedTemporaryFile(delete=False, suffix="_filestore").name
             if self.reuse_dist_env:
