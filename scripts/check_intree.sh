@@ -8,10 +8,13 @@
 # patched tree is what the overlay imports, file by file (the module the patch replaces is this
 # repository's; the files it edits are the overlay's edits of 0.19.8's), and that a wheel of it, as
 # pip builds one to install it, ships that module.
-#   bash scripts/check_intree.sh
+#   bash scripts/check_intree.sh     (after scripts/setup_env.sh has run once)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-source "$ROOT/scripts/setup_env.sh"
+VENV=${QGZ_VENV:-$ROOT/.venv}
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+say() { echo "[$(date +%H:%M:%S)] $*"; }
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 say "in-tree: DeepSpeed 0.19.8's source distribution"

@@ -4,23 +4,27 @@
 # stand-in for DeepSpeed's master (scripts/check_series.sh), beside the rest; test against the
 # *installed* package (DeepSpeed 0.19.8 with the overlay), from a directory outside the source tree:
 # the project's own tests (project_tests/) and the patch's DeepSpeed tests (tests/,
-# scripts/deepspeed_tests.sh); then the in-tree route (scripts/check_intree.sh: the patch applied to
-# DeepSpeed's source distribution, checked against the overlay's files). Extra arguments go to every
+# scripts/deepspeed_tests.sh); and the in-tree route beside them (scripts/check_intree.sh: the patch
+# applied to DeepSpeed's source distribution, checked against the overlay's files). Extra arguments go to every
 # pytest run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
-say "op builds and overlay state (the CPU quantizer op builds in about 40 s the first time; DeepSpeed's CPU Adam and shared-memory ops build beside it and the linters)"
 WORK=$(mktemp -d)
 # a check left running in the background when another fails stops with the script
 trap 'jobs -p | xargs -r kill 2>/dev/null; rm -rf "$WORK"' EXIT
-start_deepspeed_ops_build
-(cd "$WORK" && python -m deepspeed_qgz status)
 # The series imports DeepSpeed from its stand-in's source and needs none of the ops building beside
-# it; its worlds mostly start and wait (37 s of CPU in 2 minutes), so it runs beside the rest.
+# it (the quantizer op it shares with the rest builds once, whichever asks first); the longest of the
+# checks, it starts first and runs beside the rest.
 say "series: the pull requests under upstream/, in the background (their output follows the suites')"
 bash "$ROOT/scripts/check_series.sh" "$@" >"$WORK/series.log" 2>&1 &
 SERIES=$!
+say "op builds and overlay state (the CPU quantizer op builds in about 40 s the first time; DeepSpeed's CPU Adam and shared-memory ops build beside it and the linters)"
+start_deepspeed_ops_build
+(cd "$WORK" && python -m deepspeed_qgz status)
+say "in-tree: the whole patch on DeepSpeed 0.19.8's source distribution (scripts/check_intree.sh), in the background (its output comes last)"
+bash "$ROOT/scripts/check_intree.sh" "$@" >"$WORK/intree.log" 2>&1 &
+INTREE=$!
 # The older releases (one of each version of qgZ's module) set up and run one after the other in
 # environments of their own, each building DeepSpeed's ops anew: minutes a release, which the 25 minutes
 # of this script do not hold yet, so they run where QGZ_RELEASES_CHECK=1 asks (docs/testing.md).
@@ -53,6 +57,8 @@ if [ -n "$RELEASES" ]; then
     wait "$RELEASES" || status=$?
     cat "$WORK/releases.log"
 fi
+say "in-tree: the whole patch on DeepSpeed 0.19.8's source distribution (run beside the rest)"
+wait "$INTREE" || status=$?
+cat "$WORK/intree.log"
 [ "$status" -eq 0 ] || { say "suite: FAILED (above)"; exit 1; }
-bash "$ROOT/scripts/check_intree.sh" "$@"
 say "all checks passed"
