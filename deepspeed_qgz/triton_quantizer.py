@@ -41,14 +41,16 @@ binary for: the kernel, its constexprs, which integer arguments are 1 or multipl
 pointers are 16-byte aligned) is compared, bit for bit, with qgz_reference on that call's own inputs; a
 difference, or the kernel or the reference raising, raises RuntimeError naming the op, the variant
 and the first value that differs, and nothing falls back. With torch.distributed initialized it
-raises on every rank at that call, naming the rank (``_checked_call`` says how and when not). It
-costs the reference's run once per variant, on the call's device: on the largest exchange the series
-stages (2**27 values), a few GB for the moment it runs.
+raises on every rank at that call, naming the rank (``_checked_call`` says how). It costs the
+reference's run once per call size, on the call's device (on the largest exchange the series stages,
+2**27 values, a few GB for the moment it runs), and a launch for each other alignment of the call's
+inputs (two or four launches in all).
 
 On CPU tensors the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is
 first imported), which is how the tests run them.
 """
 
+import itertools
 import math
 from typing import Optional
 
@@ -298,10 +300,8 @@ def _require_runnable(op: str, **tensors) -> None:
 # the self-check
 # ----------------------------------------------------------------------------------------------------
 
-# variants checked in this process; signatures (variants short of their pointers' alignment) the world
-# agreed on
+# variants checked in this process
 _checked = set()
-_agreed = set()
 
 
 def _variant(kernel, args, meta) -> tuple:
@@ -330,16 +330,31 @@ def _first_difference(got, want) -> Optional[str]:
     return f"value {index} of {got.numel()}: {got[index].item()!r}, expected {want[index].item()!r}"
 
 
-def _failures(failure: Optional[str], gather: bool) -> list:
-    """[(where, failure)] of this check, `failure` this rank's (None if it passed): every rank's if
-    `gather`, this process's alone where torch.distributed is not initialized."""
+def _failures(failure: Optional[str]) -> list:
+    """[(where, failure)] of this check, `failure` this rank's (None if it passed): every rank's, or
+    this process's alone where torch.distributed is not initialized."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [] if failure is None else [("in this process", failure)]
-    if not gather:
-        return [] if failure is None else [(f"on rank {torch.distributed.get_rank()} alone", failure)]
     failures = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(failures, failure)
     return [(f"on rank {rank} of {len(failures)}", found) for rank, found in enumerate(failures) if found is not None]
+
+
+def _realigned(args, outputs):
+    """`args` with the inputs (the tensors the kernel does not write) copied to every other
+    combination of 16-byte alignment, each with that combination: (aligned, ...) per input."""
+    written = {t.data_ptr() for t in outputs}
+    inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.data_ptr() not in written]
+    for alignment in itertools.product((True, False), repeat=len(inputs)):
+        if all((args[i].data_ptr() % 16 == 0) == aligned for i, aligned in zip(inputs, alignment)):
+            continue  # the call's own
+        moved = list(args)
+        for i, aligned in zip(inputs, alignment):
+            # a new buffer starts aligned; one element on (at most 4 bytes), it is not
+            shift = 0 if aligned else 1
+            buffer = torch.empty(args[i].numel() + shift, dtype=args[i].dtype, device=args[i].device)
+            moved[i] = buffer[shift:].view(args[i].shape).copy_(args[i])
+        yield alignment, tuple(moved)
 
 
 def _checked_call(op: str, kernel, grid, args, meta, outputs, expected):
@@ -347,35 +362,41 @@ def _checked_call(op: str, kernel, grid, args, meta, outputs, expected):
     `expected()` (the reference's results on the same inputs).
 
     A check that fails on one rank fails on every rank, at the same call: each rank's verdict is
-    all-gathered (torch.distributed's default group, when it is initialized) at the first call of each
-    signature, the variant short of its pointers' alignment. A signature depends on the call's sizes
-    alone, and the ranks of qgZ and qwZ make the same calls with the same sizes in the same order, so
-    every rank reaches each signature's gathering at the same call, whatever the alignment of its
-    buffers, and none waits in a gathering another rank skips. Keyed by the variant, the gathering
-    would hang a healthy world whose ranks' buffers differ in alignment: a rank meeting a variant it
-    had not checked would wait for ranks that had. So a variant that differs from an agreed one in
-    alignment alone is checked on its rank alone, and a failure there raises on that rank alone. A rank
-    whose kernel or reference raises in the check still gathers, and every rank then raises."""
+    all-gathered (torch.distributed's default group, when it is initialized). Every rank must reach
+    that gathering at the same call. The call's sizes pick its variant but for its pointers'
+    alignment, and the ranks of qgZ and qwZ make the same calls with the same sizes in the same order;
+    alignment is where each rank's allocator put its buffers, so one rank can meet an unaligned
+    variant at a call where the others meet the aligned one. So the first call of given sizes checks
+    the kernel on its inputs at every alignment (copies), and every variant of those sizes is checked
+    at the same call on every rank: none is ever checked on one rank alone, where a failure would
+    leave the others waiting in the next collective until its timeout. A rank whose kernel or
+    reference raises in the check still gathers, and every rank then raises."""
     variant = _variant(kernel, args, meta)
     if variant in _checked:
         _launch(kernel, grid, args, meta)
         return outputs
     failure = error = None
+    checked = []
     try:
-        _launch(kernel, grid, args, meta)
-        for got, want in zip(outputs, expected()):
-            failure = failure or _first_difference(got, want)
+        want = expected()
+        # the call's own inputs last, so that the outputs are this call's
+        for alignment, call_args in list(_realigned(args, outputs)) + [(None, args)]:
+            _launch(kernel, grid, call_args, meta)
+            failure = next(filter(None, (_first_difference(got, w) for got, w in zip(outputs, want))), None)
+            if failure is not None:
+                if alignment is not None:
+                    failure += f" (its inputs copied to 16-byte alignment {alignment})"
+                break
+            checked.append(_variant(kernel, call_args, meta))
     except Exception as raised:  # reaches every rank through the gathering below
         failure, error = f"{type(raised).__name__}: {raised}", raised
-    signature = variant[:2] + (tuple(("ptr", ) if key[0] == "ptr" else key for key in variant[2]), )
-    failures = _failures(failure, gather=signature not in _agreed)
+    failures = _failures(failure)
     if failures:
         raise RuntimeError(f"{op}: the Triton kernel's first call of a variant failed its check against the reference "
                            f"(" + "; ".join(f"{where}: {found}" for where, found in failures) +
                            f"; variant {variant}); nothing falls back: unset DS_QGZ_QUANTIZER to use DeepSpeed's "
                            f"op") from error
-    _agreed.add(signature)
-    _checked.add(variant)
+    _checked.update(checked)
     return outputs
 
 

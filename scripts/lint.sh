@@ -12,8 +12,6 @@ VENV=${QGZ_VENV:-$ROOT/.venv}
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 say() { echo "[$(date +%H:%M:%S)] $*"; }
-say "lint: DeepSpeed's linters (requirements/requirements-lint.txt)"
-pip install -q -r "$ROOT/requirements/requirements-lint.txt"
 cd "$ROOT"
 status=0
 # The files at DeepSpeed's paths, which go upstream: every hook DeepSpeed runs on them.

@@ -17,8 +17,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 CONSTRAINTS="$ROOT/requirements/constraints-cpu.txt"
 say "environment: torch 2.13.0 (CPU build) in $VENV"
 pip install -q -c "$CONSTRAINTS" torch==2.13.0
-say "environment: deepspeed 0.19.8 (a source distribution: about 15 s to build the first time) and the tools"
-pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements.txt" -r "$ROOT/requirements/requirements-dev.txt"
+say "environment: deepspeed 0.19.8 (a source distribution: about 15 s to build the first time), the tools and DeepSpeed's linters"
+pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements/requirements.txt" -r "$ROOT/requirements/requirements-dev.txt" \
+    -r "$ROOT/requirements/requirements-lint.txt"
 say "environment: this package (deepspeed-qgz)"
 pip install -q -c "$CONSTRAINTS" --force-reinstall --no-deps "$ROOT"
 
