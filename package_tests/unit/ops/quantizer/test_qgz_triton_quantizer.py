@@ -317,7 +317,6 @@ class TestFirstCallCheckAcrossTheWorld(DistributedTest):
                 print(f"world of {world}, rank {failing}'s check failing ({found.split(':')[0]}): every rank raised, "
                       f"in {min(taken):.2f} to {max(taken):.2f} s")
 
-
     @pytest.mark.parametrize("world_size", [2, 6])
     def test_a_variant_of_one_alignment_fails_on_every_rank(self, world_size):
         """A kernel wrong on one rank only where its input is not 16-byte aligned (its launch made to
