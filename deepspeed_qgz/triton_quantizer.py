@@ -44,7 +44,7 @@ and the first value that differs, and nothing falls back. With torch.distributed
 raises on every rank at that call, naming the rank (``_checked_call`` says how). It costs the
 reference's run once per call size, on the call's device (on the largest exchange the series stages,
 2**27 values, a few GB for the moment it runs), and a launch for each other alignment of the call's
-inputs (two or four launches in all).
+inputs (two or four launches in all; one in Triton's interpreter, which compiles no variants).
 
 On CPU tensors the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is
 first imported), which is how the tests run them.
@@ -304,13 +304,21 @@ def _require_runnable(op: str, **tensors) -> None:
 _checked = set()
 
 
+def _alignment_selects_binary() -> bool:
+    """Whether a pointer's 16-byte alignment selects a binary of its own, as in Triton's compiler (its
+    interpreter compiles nothing)."""
+    return _quantize_kernel.__class__.__name__ != "InterpretedFunction"
+
+
 def _variant(kernel, args, meta) -> tuple:
     """At least what Triton compiles one binary for: the kernel, its constexprs, and of its other
     arguments which integers are 1, multiples of 16 or beyond int32 (the kernels specialize on fewer:
     do_not_specialize), and which pointers are 16-byte aligned."""
-    specialized = tuple(("ptr", t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor) else (t == 1, t % 16 == 0,
-                                                                                             not -2**31 <= t < 2**31)
-                        for t in args)
+    aligned = _alignment_selects_binary()
+    specialized = tuple(
+        ("ptr", aligned and t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor) else (t == 1, t % 16 == 0,
+                                                                                         not -2**31 <= t < 2**31)
+        for t in args)
     return (kernel.fn.__name__, tuple(sorted(meta.items())), specialized)
 
 
@@ -342,7 +350,10 @@ def _failures(failure: Optional[str]) -> list:
 
 def _realigned(args, outputs):
     """`args` with the inputs (the tensors the kernel does not write) copied to every other
-    combination of 16-byte alignment, each with that combination: (aligned, ...) per input."""
+    combination of 16-byte alignment, each with that combination: (aligned, ...) per input; none
+    where alignment selects no binary."""
+    if not _alignment_selects_binary():
+        return
     written = {t.data_ptr() for t in outputs}
     inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.data_ptr() not in written]
     for alignment in itertools.product((True, False), repeat=len(inputs)):

@@ -319,15 +319,16 @@ class TestFirstCallCheckAcrossTheWorld(DistributedTest):
 
     @pytest.mark.parametrize("world_size", [2, 6])
     def test_a_variant_of_one_alignment_fails_on_every_rank(self, world_size):
-        """A kernel wrong on one rank only where its input is not 16-byte aligned (its launch made to
-        garble what it writes) fails every rank at the first call of those sizes, though every rank's
-        input there is aligned; mended, a rank whose input is unaligned at a later call runs it alone,
-        checked already, while the others run the aligned one."""
+        """As compiled, where a pointer's alignment selects a binary: a kernel wrong on one rank only
+        where its input is not 16-byte aligned (its launch made to garble what it writes) fails every
+        rank at the first call of those sizes, though every rank's input there is aligned; mended, a
+        rank whose input is unaligned at a later call runs it alone, checked already, while the others
+        run the aligned one."""
         rank, world = dist.get_rank(), dist.get_world_size()
         # groups of 16 values: a variant no other test makes in these processes
         x = (torch.randn(4 * 16, generator=torch.Generator().manual_seed(rank)) * 3).half()
         args = (x, 4, 8, tq.Symmetric, 1, 1, 1)
-        launch = tq._launch
+        launch, selects = tq._launch, tq._alignment_selects_binary
 
         def miscompiled(kernel, grid, kernel_args, meta):
             launch(kernel, grid, kernel_args, meta)
@@ -336,21 +337,23 @@ class TestFirstCallCheckAcrossTheWorld(DistributedTest):
                     written.view(torch.uint8).bitwise_not_()
 
         failing = world - 1
-        tq._launch = miscompiled if rank == failing else launch
+        tq._alignment_selects_binary = lambda: True
         try:
+            tq._launch = miscompiled if rank == failing else launch
             dist.barrier()
             start = time.perf_counter()
             with pytest.raises(RuntimeError, match=re.escape(f"(on rank {failing} of {world}: value 0 of ")) as raised:
                 tq.swizzle_quant(*args)
             seconds = time.perf_counter() - start
             assert "(its inputs copied to 16-byte alignment (False,))" in str(raised.value)
-        finally:
             tq._launch = launch
-        assert same(tq.swizzle_quant(*args), ref.swizzle_quant(*args))
-        unaligned = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].copy_(x)
-        assert unaligned.data_ptr() % 16
-        mine = (unaligned if rank == 0 else x, ) + args[1:]
-        assert same(tq.swizzle_quant(*mine), ref.swizzle_quant(*mine))
+            assert same(tq.swizzle_quant(*args), ref.swizzle_quant(*args))
+            unaligned = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].copy_(x)
+            assert unaligned.data_ptr() % 16
+            mine = (unaligned if rank == 0 else x, ) + args[1:]
+            assert same(tq.swizzle_quant(*mine), ref.swizzle_quant(*mine))
+        finally:
+            tq._launch, tq._alignment_selects_binary = launch, selects
         every_rank = [None] * world
         dist.all_gather_object(every_rank, seconds)
         if rank == 0:
