@@ -14,15 +14,18 @@
 # (scripts/setup_env.sh, sourced first), and the main environment's TORCH_EXTENSIONS_DIR as it was
 # when sourced.
 MAIN_TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR-unset}
+# where torch builds this package's quantizer op (the last line: DeepSpeed logs on standard output)
+quantizer_op_build_dir() {
+    python -c 'from torch.utils.cpp_extension import _get_build_directory
+from deepspeed_qgz.cpu_quantizer import QuantizerBuilder
+print(_get_build_directory(QuantizerBuilder.NAME, False))' | tail -1
+}
 release_deepspeed_env() {
     local main_site main_op
     main_site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    # shellcheck disable=SC2016
     main_op=$(if [ "$MAIN_TORCH_EXTENSIONS_DIR" = unset ]; then unset TORCH_EXTENSIONS_DIR; else
         export TORCH_EXTENSIONS_DIR=$MAIN_TORCH_EXTENSIONS_DIR; fi
-        python -c 'from torch.utils.cpp_extension import _get_build_directory
-from deepspeed_qgz.cpu_quantizer import QuantizerBuilder
-print(_get_build_directory(QuantizerBuilder.NAME, False))')
+        quantizer_op_build_dir)
     if [ ! -x "$2/bin/python" ]; then
         say "environment: DeepSpeed $1 in $2, torch and the tools from $(dirname "$(dirname "$(dirname "$main_site")")")"
         python3 -m venv "$2"
@@ -37,11 +40,11 @@ print(_get_build_directory(QuantizerBuilder.NAME, False))')
     pip install -q --no-deps "deepspeed==$1"
     printf '%s\nimport deepspeed_qgz._startup\n' "$main_site" >"$site/deepspeed_qgz.pth"
     local op_dir
-    op_dir="$TORCH_EXTENSIONS_DIR/$(basename "$(dirname "$main_op")")"
-    if [ -d "$main_op" ] && [ ! -e "$op_dir/$(basename "$main_op")" ]; then
-        mkdir -p "$op_dir"
-        cp -a "$main_op" "$op_dir/"
-        rm -f "$op_dir/$(basename "$main_op")/lock"
+    op_dir=$(quantizer_op_build_dir)
+    if [ -d "$main_op" ] && [ ! -e "$op_dir" ]; then
+        mkdir -p "$(dirname "$op_dir")"
+        cp -a "$main_op" "$op_dir"
+        rm -f "$op_dir/lock"
     fi
     local installed
     installed=$(python -c 'from importlib.metadata import version; print(version("deepspeed"))')
