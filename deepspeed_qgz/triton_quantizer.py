@@ -303,18 +303,16 @@ def _require_runnable(op: str, **tensors) -> None:
 # variants checked in this process
 _checked = set()
 
-
-def _alignment_selects_binary() -> bool:
-    """Whether a pointer's 16-byte alignment selects a binary of its own, as in Triton's compiler (its
-    interpreter compiles nothing)."""
-    return _quantize_kernel.__class__.__name__ != "InterpretedFunction"
+# Whether a pointer's 16-byte alignment selects a binary of its own, as in Triton's compiler (its
+# interpreter compiles nothing): fixed when Triton is first imported, so read once, not at every call.
+_ALIGNMENT_SELECTS_BINARY = triton is not None and _quantize_kernel.__class__.__name__ != "InterpretedFunction"
 
 
 def _variant(kernel, args, meta) -> tuple:
     """At least what Triton compiles one binary for: the kernel, its constexprs, and of its other
     arguments which integers are 1, multiples of 16 or beyond int32 (the kernels specialize on fewer:
     do_not_specialize), and which pointers are 16-byte aligned."""
-    aligned = _alignment_selects_binary()
+    aligned = _ALIGNMENT_SELECTS_BINARY
     specialized = tuple(
         ("ptr", aligned and t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor) else (t == 1, t % 16 == 0,
                                                                                          not -2**31 <= t < 2**31)
@@ -352,7 +350,7 @@ def _realigned(args, outputs):
     """`args` with the inputs (the tensors the kernel does not write) copied to every other
     combination of 16-byte alignment, each with that combination: (aligned, ...) per input; none
     where alignment selects no binary."""
-    if not _alignment_selects_binary():
+    if not _ALIGNMENT_SELECTS_BINARY:
         return
     written = {t.data_ptr() for t in outputs}
     inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.data_ptr() not in written]

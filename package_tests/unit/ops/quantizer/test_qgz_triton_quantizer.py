@@ -328,7 +328,7 @@ class TestFirstCallCheckAcrossTheWorld(DistributedTest):
         # groups of 16 values: a variant no other test makes in these processes
         x = (torch.randn(4 * 16, generator=torch.Generator().manual_seed(rank)) * 3).half()
         args = (x, 4, 8, tq.Symmetric, 1, 1, 1)
-        launch, selects = tq._launch, tq._alignment_selects_binary
+        launch, selects = tq._launch, tq._ALIGNMENT_SELECTS_BINARY
 
         def miscompiled(kernel, grid, kernel_args, meta):
             launch(kernel, grid, kernel_args, meta)
@@ -337,7 +337,7 @@ class TestFirstCallCheckAcrossTheWorld(DistributedTest):
                     written.view(torch.uint8).bitwise_not_()
 
         failing = world - 1
-        tq._alignment_selects_binary = lambda: True
+        tq._ALIGNMENT_SELECTS_BINARY = True
         try:
             tq._launch = miscompiled if rank == failing else launch
             dist.barrier()
@@ -353,7 +353,7 @@ class TestFirstCallCheckAcrossTheWorld(DistributedTest):
             mine = (unaligned if rank == 0 else x, ) + args[1:]
             assert same(tq.swizzle_quant(*mine), ref.swizzle_quant(*mine))
         finally:
-            tq._launch, tq._alignment_selects_binary = launch, selects
+            tq._launch, tq._ALIGNMENT_SELECTS_BINARY = launch, selects
         every_rank = [None] * world
         dist.all_gather_object(every_rank, seconds)
         if rank == 0:
