@@ -22,8 +22,11 @@ values, the width of the kernels' 16-byte vectors; with F16C/AVX2 a block is one
 QGZ_SCALAR selects the portable path on any machine (the tests build it too).
 */
 
+// ATen and the Python binding only: torch/extension.h, which adds the whole C++ frontend, took
+// most of the build's time.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <algorithm>
 #include <cmath>

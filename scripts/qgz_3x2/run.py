@@ -36,23 +36,25 @@ def within_tolerance(losses, reference):
         for loss, ref in zip(losses[rank], reference[rank]))
 
 
-def build_ops():
+def build_ops(deepspeed_ops=True):
     """JIT-build the ops the trainings load once, here, with a line each, before six ranks would
     wait on one build with nothing on screen but step 0 of the first progress bar."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed_qgz import cpu_quantizer
-    for builder, what in ((cpu_quantizer.builder(), "the CPU quantizer op (about 40 s the first time)"),
-                          (get_accelerator().create_op_builder("FusedAdamBuilder"),
-                           "DeepSpeed's CPU Adam op (a few minutes the first time)"),
-                          (get_accelerator().create_op_builder("ShareMemCommBuilder"),
-                           "DeepSpeed's shared-memory communication op (a minute or two the first time)")):
+    ops = [(cpu_quantizer.builder(), "the CPU quantizer op (about 40 s the first time)")]
+    if deepspeed_ops:
+        ops += [(get_accelerator().create_op_builder("FusedAdamBuilder"),
+                 "DeepSpeed's CPU Adam op (a few minutes the first time)"),
+                (get_accelerator().create_op_builder("ShareMemCommBuilder"),
+                 "DeepSpeed's shared-memory communication op (a minute or two the first time)")]
+    for builder, what in ops:
         log(f"op build: {what}; cached after")
         start = time.perf_counter()
         builder.load(verbose=False)
         log(f"op build: done in {time.perf_counter() - start:.1f} s")
 
 
-def run(config, steps, label="", timeout=900, env=None):
+def run(config, steps, label="", timeout=900, env=None, deepspeed_ops=True):
     """Returns ({rank: [loss per step]}, rank 0's report (its gradient collectives' calls and bytes
     under "collectives", the trained weights under "weights"), the agents' combined output)."""
     progress = Progress(steps, label) if label else None
@@ -63,10 +65,17 @@ def run(config, steps, label="", timeout=900, env=None):
             progress.update(int(match.group(1)) + 1)
 
     with tempfile.TemporaryDirectory() as losses_dir:
+        extra = []
+        if not deepspeed_ops:
+            settings = json.loads(Path(config).read_text())
+            settings["optimizer"]["params"]["torch_adam"] = True
+            config = Path(losses_dir) / Path(config).name
+            config.write_text(json.dumps(settings))
+            extra = ["--no-shm-op"]
         output = run_torchrun_nodes([
             str(HERE / "train.py"), "--deepspeed_config",
             str(config), "--steps",
-            str(steps), "--loss-dir", losses_dir
+            str(steps), "--loss-dir", losses_dir, *extra
         ],
                                     NODES,
                                     PROCS_PER_NODE,
@@ -96,16 +105,22 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compare", action="store_true", help="also run with zero_quantized_gradients: false")
     parser.add_argument("--triton", action="store_true", help="also run qgZ on the Triton quantizer op")
+    parser.add_argument("--no-deepspeed-ops",
+                        action="store_true",
+                        help="train with torch's Adam (torch_adam) and without DeepSpeed's shared-memory op "
+                        "(its inference all-reduce's): neither is on qgZ's path, and each DeepSpeed release "
+                        "builds both anew, minutes on a CPU (scripts/releases_check.sh)")
     args = parser.parse_args()
+    deepspeed_ops = not args.no_deepspeed_ops
 
-    build_ops()
+    build_ops(deepspeed_ops)
     runs = 1 + args.compare + args.triton
     log(f"run 1/{runs}: zero_quantized_gradients true, {NODES} torchrun agents x {PROCS_PER_NODE} processes")
-    qgz_losses, qgz, output = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ")
+    qgz_losses, qgz, output = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ", deepspeed_ops=deepspeed_ops)
     exact_losses = exact = triton = None
     if args.compare:
         log(f"run 2/{runs}: zero_quantized_gradients false")
-        exact_losses, exact, _ = run(HERE / "ds_config_exact.json", args.steps, "qgZ off")
+        exact_losses, exact, _ = run(HERE / "ds_config_exact.json", args.steps, "qgZ off", deepspeed_ops=deepspeed_ops)
     if args.triton:
         log(f"run {runs}/{runs}: zero_quantized_gradients true, the Triton quantizer op (DS_QGZ_QUANTIZER=triton) "
             f"in Triton's interpreter")
@@ -115,7 +130,8 @@ def main():
                                        env={
                                            "DS_QGZ_QUANTIZER": "triton",
                                            "TRITON_INTERPRET": "1"
-                                       })
+                                       },
+                                       deepspeed_ops=deepspeed_ops)
     print(f"{NODES} nodes x {PROCS_PER_NODE} processes, ZeRO-3, bf16, {args.steps} steps; loss per step, the mean "
           f"over the {len(qgz_losses)} ranks")
     print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'difference':>11}" if exact_losses else ""))

@@ -5,7 +5,7 @@
 """The bug report's reproduction (train.py), unchanged in substance: a 32x32 linear model under
 ZeRO-3, run by three torchrun agents of two processes each. Two changes: the data takes the model's
 dtype (the report's config is fp16, which DeepSpeed's CPU accelerator refuses, so CPU runs use
-bf16), and --steps bounds the run. Rank 0 ends with a QGZ_SUMMARY line of the gradient
+bf16), and --steps bounds the run (--no-shm-op leaves DeepSpeed's shared-memory op unbuilt: run.py). Rank 0 ends with a QGZ_SUMMARY line of the gradient
 reduce-scatter's collectives (DeepSpeed's comms logger: calls and bytes); with --loss-dir every rank
 writes its losses and that summary, and rank 0 the trained weights."""
 
@@ -53,9 +53,13 @@ def main():
     parser = argparse.ArgumentParser(description='Dummy Training')
     parser.add_argument('--steps', type=int, default=10)
     parser.add_argument('--loss-dir', default=None, help='also write each rank\'s losses to LOSS_DIR/rank{r}.json')
+    parser.add_argument('--no-shm-op', action='store_true', help='leave DeepSpeed\'s shared-memory op unbuilt')
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
+    if args.no_shm_op:
+        # it serves DeepSpeed's inference all-reduce only; deepspeed.comm builds it when it starts
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     hidden_dim = 32
     model = SimpleModel(hidden_dim)
     model, _, _, _ = deepspeed.initialize(args=args,
