@@ -5,15 +5,17 @@
 # scripts/setup_env.sh: one torch install for every release.
 # Its own DeepSpeed comes first on sys.path; its deepspeed_qgz.pth appends the main environment's
 # site-packages and then starts the overlay, as the main environment's .pth does. It is written after
-# pip has run, so that pip never sees (or uninstalls) the main environment's DeepSpeed. DeepSpeed's ops
+# pip has run, so that pip never sees (or uninstalls) the main environment's DeepSpeed; the main
+# environment's commands come after its own on PATH. DeepSpeed's ops
 # build in a cache of its own (TORCH_EXTENSIONS_DIR): another release's ops have the same names from
 # other sources. This package's quantizer op is the main environment's build, linked there: the same
 # source, torch and flags on every release (deepspeed_qgz/cpu_quantizer.py), so no release builds it
 # again. Sourced by scripts/run_3x2.sh and scripts/releases_check.sh; needs ROOT and say
 # (scripts/setup_env.sh, sourced first).
 release_deepspeed_env() {
-    local main_site main_op
+    local main_site main_bin main_op
     main_site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    main_bin=$(dirname "$(command -v python)")
     # where torch builds it in the main environment (made if missing; DeepSpeed logs on standard output)
     main_op=$(python -c 'from torch.utils.cpp_extension import _get_build_directory
 from deepspeed_qgz.cpu_quantizer import QuantizerBuilder
@@ -24,6 +26,9 @@ print(_get_build_directory(QuantizerBuilder.NAME, False))' | tail -1)
     fi
     # shellcheck disable=SC1091
     source "$2/bin/activate"
+    # the main environment's tools after its own: its ninja above all, which built the op; another
+    # (the system's 1.11 beside its 1.13) takes that build for out of date and builds it again
+    export PATH="$2/bin:$main_bin:${PATH#"$2/bin:"}"
     export PIP_DISABLE_PIP_VERSION_CHECK=1
     local site
     site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

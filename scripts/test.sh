@@ -25,13 +25,14 @@ start_deepspeed_ops_build
 say "in-tree: the whole patch on DeepSpeed 0.19.8's source distribution (scripts/check_intree.sh), in the background (its output comes last)"
 bash "$ROOT/scripts/check_intree.sh" "$@" >"$WORK/intree.log" 2>&1 &
 INTREE=$!
+bash "$ROOT/scripts/lint.sh"
+wait_for_deepspeed_ops
 # The older releases (one of each version of qgZ's module) set up and run one after the other in
-# environments of their own, beside the rest; none builds an op (scripts/releases_check.sh).
+# environments of their own, beside the suites; none builds an op (scripts/releases_check.sh). Started
+# earlier, they took the cores from the build of DeepSpeed's ops above, which the suites wait for.
 say "releases: the overlay on older DeepSpeed releases (scripts/releases_check.sh), in the background (their output follows the series')"
 bash "$ROOT/scripts/releases_check.sh" "$@" >"$WORK/releases.log" 2>&1 &
 RELEASES=$!
-bash "$ROOT/scripts/lint.sh"
-wait_for_deepspeed_ops
 # The two suites run side by side: each keeps about one of two cores busy (their worlds' processes
 # mostly start, import and wait on each other), so one after the other left half the machine idle.
 # They share the built ops (the DeepSpeed tests' own variant of the CPU op has a name of its own).
