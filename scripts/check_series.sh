@@ -7,10 +7,10 @@
 # merges or bisects it: its own tests fail on the tree before it (all of them run; some may pass:
 # they guard what it must keep), its source hunks apply with git apply, DeepSpeed's hooks pass on
 # what it changes, and its tests and every earlier pull request's in the modules it changes pass on
-# the tree with it (below: why the other module's need not run). After the last, every pull
-# request's pass, those of test_zeropp.py on DeepSpeed 0.19.8 with the overlay too; and what the
-# overlay installs of DeepSpeed's files (the series' own hunks on 0.19.8's, or the series' result
-# carried whole) is the series' result, byte for byte.
+# the tree with it (below: why the other module's need not run). After the last, what the overlay
+# installs of DeepSpeed's files (the series' own hunks on 0.19.8's, or the series' result carried
+# whole) is the series' result, byte for byte, and every pull request's tests pass on DeepSpeed
+# 0.19.8 with the overlay: the series' result, as users install it.
 # DeepSpeed's own test modules are not in the source distribution: the tests the series adds to each
 # of them run as a module of their own (up to the pull request checked), on the DistributedTest
 # stand-in, with LOCAL_SIZE=10 (docs/upstreaming.md). Run by scripts/test.sh; alone:
@@ -68,19 +68,13 @@ for patch in "${PATCHES[@]}"; do
     # Every earlier pull request's tests in the modules it changes run again. The other module's
     # exercise none of the code it changes: test_coalesced_collectives.py's call the collectives
     # alone, and test_zeropp.py's train with qgZ off but for the keys' tests, from whose pull
-    # request on every pull request changes both modules. After the last, every module runs.
-    if [ "$patch" = "${PATCHES[-1]}" ]; then
-        say "series: $name: every pull request's tests, after it"
-        run_tests "$WORK"/tests/unit/test_series_*.py "$@"
-    else
+    # request on every pull request changes both modules. After the last, every module runs, once,
+    # on what users install (below).
+    if [ "$patch" != "${PATCHES[-1]}" ]; then
         say "series: $name: its tests and every earlier pull request's in the modules it changes, after it"
         run_tests "${MODULES[@]/#/unit/}" "$@"
     fi
 done
-# What users install today, DeepSpeed 0.19.8 with this repository's overlay, must pass the series' tests
-# too: those of test_zeropp.py here (test_coalesced_collectives.py, the series' result of master's, is
-# this repository's, which scripts/deepspeed_tests.sh runs on the overlay)
-say "series: every pull request's tests of test_zeropp.py, on DeepSpeed 0.19.8 with the overlay (what users install)"
 # the overlay installed in the environment must be this checkout's (scripts/setup_env.sh installs it)
 (cd "$WORK" && DS_QGZ_OVERLAY=0 python - "$ROOT" <<'PY'
 import subprocess
@@ -104,8 +98,6 @@ if stale:
     sys.exit(f"series: the installed overlay is not this checkout's ({stale}): pip install --no-deps {root}")
 PY
 )
-(cd "$WORK/tests" && DS_QGZ_OVERLAY=1 PYTHONPATH="$ROOT/scripts" python -m pytest -p no:cacheprovider -q -rfE \
-    unit/test_series_zeropp.py "$@")
 # One source of truth: what the overlay installs of DeepSpeed's files is the series' result. It edits
 # the files the series made against 0.19.8's with the series' own hunks (deepspeed_qgz/series.py),
 # and carries the two whose base is master's whole: coalesced_collectives.py must be the stand-in's
@@ -137,4 +129,9 @@ if blob_id(text.encode()) != master_blob:
 print(f"series: this repository's {path} is master's (blob {master_blob[:12]}) with the series' hunks")
 PY
 )
+# The tree after the last pull request and DeepSpeed 0.19.8 with the overlay now hold the same
+# DeepSpeed files: every pull request's tests run once, there, where users take the series from.
+say "series: $name: every pull request's tests, after it, on DeepSpeed 0.19.8 with the overlay (its result, as users install it)"
+(cd "$WORK/tests" && DS_QGZ_OVERLAY=1 PYTHONPATH="$ROOT/scripts" python -m pytest -p no:cacheprovider -q -rfE \
+    unit/test_series_*.py "$@")
 say "series: every pull request checked"
