@@ -47,6 +47,16 @@ def _npu_quantizer_stand_in():
 
 _npu_quantizer_stand_in()
 
+# What deepspeed.initialize imports on first use, imported here too (below: once for every world's
+# processes): torch.optim's first optimizer imports torch._dynamo, and DeepSpeed's check of the
+# optimizer its Muon module where the release has one, whose torch.compile decorators import
+# torch's inductor. Each process that trains spent about 5 s of CPU on them.
+for _name in ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"):
+    try:
+        importlib.import_module(_name)
+    except ImportError:  # a release without it
+        pass
+
 # The worlds' processes fork from a server that has imported this module (torch, DeepSpeed and the
 # quantizer op with it) once: a process that imports them itself spends seconds of CPU before it
 # runs a test, which made most of a session's time (forking is safe here: the server runs no
