@@ -3,8 +3,8 @@
 
 # DeepSpeed Team
 """The bug report's reproduction: its train.py and ds config (bf16 for fp16) on three torchrun
-agents x two processes on 127.0.0.1, with zero_quantized_gradients true and false, and true on this
-package's Triton quantizer op (DS_QGZ_QUANTIZER=triton, in Triton's interpreter)."""
+agents x two processes on 127.0.0.1, with zero_quantized_gradients true and then false in one job, and
+true on this package's Triton quantizer op (DS_QGZ_QUANTIZER=triton, in Triton's interpreter)."""
 
 import importlib.util
 import math
@@ -23,14 +23,14 @@ def load_runner():
 def test_report_training_3_nodes_x_2(cpu_quantizer):
     runner = load_runner()
     steps = 10
-    qgz_losses, qgz, output = runner.run(runner.HERE / "ds_config_qgz.json", steps)
-    exact_losses, exact, _ = runner.run(runner.HERE / "ds_config_exact.json", steps)
-    triton_losses, triton, _ = runner.run(runner.HERE / "ds_config_qgz.json",
-                                          steps,
-                                          env={
-                                              "DS_QGZ_QUANTIZER": "triton",
-                                              "TRITON_INTERPRET": "1"
-                                          })
+    configs = [runner.HERE / "ds_config_qgz.json", runner.HERE / "ds_config_exact.json"]
+    [(qgz_losses, qgz), (exact_losses, exact)], output = runner.run(configs, steps)
+    [(triton_losses, triton)], _ = runner.run([runner.HERE / "ds_config_qgz.json"],
+                                              steps,
+                                              env={
+                                                  "DS_QGZ_QUANTIZER": "triton",
+                                                  "TRITON_INTERPRET": "1"
+                                              })
 
     assert "must match the size of tensor" not in output
     assert sorted(qgz_losses) == list(range(6))

@@ -4,10 +4,12 @@
 # DeepSpeed Team
 """Run the report's training on 3 nodes x 2 processes on this machine: three torchrun agents with
 a c10d rendezvous on 127.0.0.1, LOCAL_SIZE=2 so DeepSpeed's CPU accelerator sees two devices per
-node. With --compare, runs qgZ on and off, and prints the loss curves side by side and the bytes the
-gradient reduce-scatter's collectives took, as DeepSpeed's comms logger counts them. With --triton,
-runs qgZ on once more with this package's Triton quantizer op (DS_QGZ_QUANTIZER=triton, in Triton's
-interpreter on the CPU), and compares its losses and trained weights with the CPU op's, bit for bit."""
+node. With --compare, trains with qgZ on and then off in the same processes (the same seeds: each
+training starts from the same weights and data, which the job checks), and prints the loss curves
+side by side and the bytes the gradient reduce-scatter's collectives took, as DeepSpeed's comms
+logger counts them. With --triton, a second job runs qgZ on with this package's Triton quantizer op
+(DS_QGZ_QUANTIZER=triton, in Triton's interpreter on the CPU), and compares its losses and trained
+weights with the CPU op's, bit for bit."""
 
 import argparse
 import json
@@ -54,27 +56,37 @@ def build_ops(deepspeed_ops=True):
         log(f"op build: done in {time.perf_counter() - start:.1f} s")
 
 
-def run(config, steps, label="", timeout=900, env=None, deepspeed_ops=True):
-    """Returns ({rank: [loss per step]}, rank 0's report (its gradient collectives' calls and bytes
-    under "collectives", the trained weights under "weights"), the agents' combined output)."""
-    progress = Progress(steps, label) if label else None
+def run(configs, steps, labels=(), timeout=900, env=None, deepspeed_ops=True):
+    """Trains with each of `configs` in turn in one job (train.py --then: the same processes, the same
+    seeds). Returns one ({rank: [loss per step]}, rank 0's report (its gradient collectives' calls
+    and bytes under "collectives", the trained weights under "weights")) per config, and the agents'
+    combined output."""
+    bars = [Progress(steps, label) for label in labels]
+    current = [0, -1]  # the training rank 0 is in, and its last step
 
     def on_output(line):
         match = STEP_LINE.match(line)
-        if progress and match:
-            progress.update(int(match.group(1)) + 1)
+        if bars and match:
+            step = int(match.group(1))
+            current[0] += step < current[1]  # step 0 again: the next training began
+            current[1] = step
+            bars[min(current[0], len(bars) - 1)].update(step + 1)
 
     with tempfile.TemporaryDirectory() as losses_dir:
         extra = []
         if not deepspeed_ops:
-            settings = json.loads(Path(config).read_text())
-            settings["optimizer"]["params"]["torch_adam"] = True
-            config = Path(losses_dir) / Path(config).name
-            config.write_text(json.dumps(settings))
             extra = ["--no-shm-op"]
+            written = []
+            for config in configs:
+                settings = json.loads(Path(config).read_text())
+                settings["optimizer"]["params"]["torch_adam"] = True
+                written.append(Path(losses_dir) / Path(config).name)
+                written[-1].write_text(json.dumps(settings))
+            configs = written
+        then = [arg for config in configs[1:] for arg in ("--then", str(config))]
         output = run_torchrun_nodes([
             str(HERE / "train.py"), "--deepspeed_config",
-            str(config), "--steps",
+            str(configs[0]), *then, "--steps",
             str(steps), "--loss-dir", losses_dir, *extra
         ],
                                     NODES,
@@ -82,12 +94,17 @@ def run(config, steps, label="", timeout=900, env=None, deepspeed_ops=True):
                                     timeout=timeout,
                                     env=env,
                                     on_output=on_output)
-        reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(losses_dir).glob("rank*.json")}
-    if sorted(reports) != list(range(NODES * PROCS_PER_NODE)):
-        raise RuntimeError(
-            f"ranks {sorted(reports)} reported, expected all {NODES * PROCS_PER_NODE}:\n{output[-6000:]}")
-    losses = {rank: reports[rank]["losses"] for rank in sorted(reports)}
-    return losses, reports[0], output
+        results = []
+        for index in range(len(configs)):
+            files = Path(losses_dir, f"run{index}").glob("rank*.json")
+            reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in files}
+            if sorted(reports) != list(range(NODES * PROCS_PER_NODE)):
+                raise RuntimeError(f"training {index + 1}: ranks {sorted(reports)} reported, expected all "
+                                   f"{NODES * PROCS_PER_NODE}:\n{output[-6000:]}")
+            if index and any(reports[rank]["start"] != results[0][2][rank]["start"] for rank in reports):
+                raise RuntimeError(f"training {index + 1} did not start from the first one's weights and data")
+            results.append(({rank: reports[rank]["losses"] for rank in sorted(reports)}, reports[0], reports))
+    return [(losses, report) for losses, report, _ in results], output
 
 
 def mean_loss(losses, step):
@@ -114,24 +131,24 @@ def main():
     deepspeed_ops = not args.no_deepspeed_ops
 
     build_ops(deepspeed_ops)
-    runs = 1 + args.compare + args.triton
-    log(f"run 1/{runs}: zero_quantized_gradients true, {NODES} torchrun agents x {PROCS_PER_NODE} processes")
-    qgz_losses, qgz, output = run(HERE / "ds_config_qgz.json", args.steps, "qgZ on ", deepspeed_ops=deepspeed_ops)
-    exact_losses = exact = triton = None
-    if args.compare:
-        log(f"run 2/{runs}: zero_quantized_gradients false")
-        exact_losses, exact, _ = run(HERE / "ds_config_exact.json", args.steps, "qgZ off", deepspeed_ops=deepspeed_ops)
+    jobs = 1 + args.triton
+    configs = [HERE / "ds_config_qgz.json"] + ([HERE / "ds_config_exact.json"] if args.compare else [])
+    then = ", then false in the same processes" if args.compare else ""
+    log(f"job 1/{jobs}: zero_quantized_gradients true{then}, {NODES} torchrun agents x {PROCS_PER_NODE} processes")
+    labels = ["qgZ on ", "qgZ off"][:len(configs)]
+    results, output = run(configs, args.steps, labels, deepspeed_ops=deepspeed_ops)
+    (qgz_losses, qgz), (exact_losses, exact) = results[0], results[1] if args.compare else (None, None)
+    triton = None
     if args.triton:
-        log(f"run {runs}/{runs}: zero_quantized_gradients true, the Triton quantizer op (DS_QGZ_QUANTIZER=triton) "
+        log(f"job {jobs}/{jobs}: zero_quantized_gradients true, the Triton quantizer op (DS_QGZ_QUANTIZER=triton) "
             f"in Triton's interpreter")
-        triton_losses, triton, _ = run(HERE / "ds_config_qgz.json",
-                                       args.steps,
-                                       "Triton ",
-                                       env={
-                                           "DS_QGZ_QUANTIZER": "triton",
-                                           "TRITON_INTERPRET": "1"
-                                       },
-                                       deepspeed_ops=deepspeed_ops)
+        [(triton_losses, triton)], _ = run([HERE / "ds_config_qgz.json"],
+                                           args.steps, ["Triton "],
+                                           env={
+                                               "DS_QGZ_QUANTIZER": "triton",
+                                               "TRITON_INTERPRET": "1"
+                                           },
+                                           deepspeed_ops=deepspeed_ops)
     print(f"{NODES} nodes x {PROCS_PER_NODE} processes, ZeRO-3, bf16, {args.steps} steps; loss per step, the mean "
           f"over the {len(qgz_losses)} ranks")
     print(f"{'step':>4}  {'qgZ on':>10}" + (f"  {'qgZ off':>10}  {'difference':>11}" if exact_losses else ""))

@@ -7,9 +7,12 @@ ZeRO-3, run by three torchrun agents of two processes each. Two changes: the dat
 dtype (the report's config is fp16, which DeepSpeed's CPU accelerator refuses, so CPU runs use
 bf16), and --steps bounds the run (--no-shm-op leaves DeepSpeed's shared-memory op unbuilt: run.py). Rank 0 ends with a QGZ_SUMMARY line of the gradient
 reduce-scatter's collectives (DeepSpeed's comms logger: calls and bytes); with --loss-dir every rank
-writes its losses and that summary, and rank 0 the trained weights."""
+writes its losses and that summary, and rank 0 the trained weights. --then CONFIG trains again with
+that config in the same processes, from the same seed (run.py --compare: qgZ on, then off); each
+training's files go to LOSS_DIR/run<i>/."""
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -49,26 +52,51 @@ def get_data_loader(model, total_samples, hidden_dim, device, dtype):
 
 def main():
     rank = int(os.environ['RANK'])
-    torch.random.manual_seed(2222 + rank)
     parser = argparse.ArgumentParser(description='Dummy Training')
     parser.add_argument('--steps', type=int, default=10)
-    parser.add_argument('--loss-dir', default=None, help='also write each rank\'s losses to LOSS_DIR/rank{r}.json')
+    parser.add_argument('--loss-dir',
+                        default=None,
+                        help='also write each rank\'s losses to LOSS_DIR/run<i>/rank{r}.json')
     parser.add_argument('--no-shm-op', action='store_true', help='leave DeepSpeed\'s shared-memory op unbuilt')
+    parser.add_argument('--then',
+                        action='append',
+                        default=[],
+                        metavar='CONFIG',
+                        help='train again with this ds config, in the same processes, from the same seed')
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
     if args.no_shm_op:
         # it serves DeepSpeed's inference all-reduce only; deepspeed.comm builds it when it starts
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    for index, config in enumerate([args.deepspeed_config] + args.then):
+        args.deepspeed_config = config
+        train(args, rank, index)
+    # A clean shutdown: ranks that exit with their process group still up can abort in its
+    # threads' destructors ("terminate called without an active exception"), and torchrun's agents
+    # then wait out their exit barrier.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(args, rank, index):
+    # Each training starts where a fresh process would: the same seed, so the same model and data,
+    # and a comms logger that has counted nothing (the report records both starting points).
+    torch.random.manual_seed(2222 + rank)
+    if index:
+        dist.comms_logger.comms_dict = {}
     hidden_dim = 32
     model = SimpleModel(hidden_dim)
+    start_weights = digest(model.linear.weight)
     model, _, _, _ = deepspeed.initialize(args=args,
                                           model=model,
                                           model_parameters=model.parameters(),
                                           dist_init_required=True)
-    release_deepspeed_shm()
+    if index == 0:
+        release_deepspeed_shm()
     dtype = next(model.parameters()).dtype
     data_loader = get_data_loader(model, 256 * 32, hidden_dim, model.device, dtype)
+    start_data = digest(data_loader.dataset.tensors[0])
     losses = []
     for step, batch in enumerate(data_loader):
         if step == args.steps:
@@ -97,18 +125,26 @@ def main():
     quantizer = coalesced_collectives.quantizer_module
     quantizer = None if quantizer is None else quantizer.swizzle_quant.__module__
     if args.loss_dir:
-        report = {"losses": losses, "collectives": collectives, "steps": len(losses), "quantizer": quantizer}
+        report = {
+            "losses": losses,
+            "collectives": collectives,
+            "steps": len(losses),
+            "quantizer": quantizer,
+            "start": [start_weights, start_data]
+        }
         if dist.get_rank() == 0:
             report["weights"] = {name: tensor.float().reshape(-1).tolist() for name, tensor in weights.items()}
-        with open(os.path.join(args.loss_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        run_dir = os.path.join(args.loss_dir, f"run{index}")
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, f"rank{dist.get_rank()}.json"), "w") as f:
             json.dump(report, f)
     if dist.get_rank() == 0:
         print("QGZ_SUMMARY " + json.dumps(collectives), flush=True)
-    # A clean shutdown: ranks that exit with their process group still up can abort in its
-    # threads' destructors ("terminate called without an active exception"), and torchrun's agents
-    # then wait out their exit barrier.
-    dist.barrier()
-    dist.destroy_process_group()
+    model.destroy()
+
+
+def digest(tensor):
+    return hashlib.sha256(tensor.detach().float().numpy().tobytes()).hexdigest()[:16]
 
 
 if __name__ == '__main__':
