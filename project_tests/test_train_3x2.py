@@ -3,8 +3,10 @@
 
 # DeepSpeed Team
 """The bug report's reproduction: its train.py and ds config (bf16 for fp16) on three torchrun
-agents x two processes on 127.0.0.1, with zero_quantized_gradients true and then false in one job, and
-true on this package's Triton quantizer op (DS_QGZ_QUANTIZER=triton, in Triton's interpreter)."""
+agents x two processes on 127.0.0.1, with zero_quantized_gradients true and then false in one job.
+The main job's run on the Triton op (run.py --triton) is not repeated here: the same training on that
+op, bit for bit against the CPU op's, is TestZeroPlusPlusRecipe's (package_tests/), and the seam's
+choice of it by DS_QGZ_QUANTIZER=triton is test_qgz_quantizer_seam.py's."""
 
 import importlib.util
 import math
@@ -25,12 +27,6 @@ def test_report_training_3_nodes_x_2(cpu_quantizer):
     steps = 10
     configs = [runner.HERE / "ds_config_qgz.json", runner.HERE / "ds_config_exact.json"]
     [(qgz_losses, qgz), (exact_losses, exact)], output = runner.run(configs, steps)
-    [(triton_losses, triton)], _ = runner.run([runner.HERE / "ds_config_qgz.json"],
-                                              steps,
-                                              env={
-                                                  "DS_QGZ_QUANTIZER": "triton",
-                                                  "TRITON_INTERPRET": "1"
-                                              })
 
     assert "must match the size of tensor" not in output
     assert sorted(qgz_losses) == list(range(6))
@@ -48,7 +44,4 @@ def test_report_training_3_nodes_x_2(cpu_quantizer):
     assert runner.FALLBACK_WARNING not in output
     # quantization changed the gradients, a little
     assert 0 < runner.relative_difference(qgz["weights"], exact["weights"]) < 0.05
-    # the Triton op, plugged in through the seam, computes what the CPU op computes (both state the
-    # CUDA kernels), so the training is the same to the last bit
-    assert (qgz["quantizer"], triton["quantizer"]) == ("quantizer_cpu", "deepspeed_qgz.triton_quantizer")
-    assert triton_losses == qgz_losses and triton["weights"] == qgz["weights"]
+    assert qgz["quantizer"] == "quantizer_cpu"

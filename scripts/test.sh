@@ -20,6 +20,10 @@ trap 'jobs -p | xargs -r kill 2>/dev/null; rm -rf "$WORK"' EXIT
 say "series: the pull requests under upstream/, in the background (their output follows the suites')"
 bash "$ROOT/scripts/check_series.sh" "$@" >"$WORK/series.log" 2>&1 &
 SERIES=$!
+# Everything after it at a lower priority: the series, one pull request after another, is the longest
+# chain, and beside the suites it got one core of two and ran 5 minutes past them with the machine
+# part idle.
+renice -n 10 -p $$ >/dev/null
 say "op builds and overlay state (the CPU quantizer op builds in about 40 s the first time; DeepSpeed's CPU Adam and shared-memory ops build beside it and the linters)"
 start_deepspeed_ops_build
 (cd "$WORK" && python -m deepspeed_qgz status)
