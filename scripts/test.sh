@@ -6,8 +6,7 @@
 # the project's own tests (project_tests/) and the patch's DeepSpeed tests (tests/,
 # scripts/deepspeed_tests.sh); and the in-tree route beside them (scripts/check_intree.sh: the patch
 # applied to DeepSpeed's source distribution, checked against the overlay's files) and the older
-# releases (scripts/releases_check.sh) beside them. Extra arguments go
-# to every pytest run.
+# releases (scripts/releases_check.sh) beside them. Extra arguments go to every pytest run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup_env.sh"
