@@ -94,17 +94,18 @@ def run(configs, steps, labels=(), timeout=900, env=None, deepspeed_ops=True):
                                     timeout=timeout,
                                     env=env,
                                     on_output=on_output)
-        results = []
+        results, starts = [], None
         for index in range(len(configs)):
             files = Path(losses_dir, f"run{index}").glob("rank*.json")
             reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in files}
             if sorted(reports) != list(range(NODES * PROCS_PER_NODE)):
                 raise RuntimeError(f"training {index + 1}: ranks {sorted(reports)} reported, expected all "
                                    f"{NODES * PROCS_PER_NODE}:\n{output[-6000:]}")
-            if index and any(reports[rank]["start"] != results[0][2][rank]["start"] for rank in reports):
+            if starts is not None and starts != {rank: report["start"] for rank, report in reports.items()}:
                 raise RuntimeError(f"training {index + 1} did not start from the first one's weights and data")
-            results.append(({rank: reports[rank]["losses"] for rank in sorted(reports)}, reports[0], reports))
-    return [(losses, report) for losses, report, _ in results], output
+            starts = {rank: report["start"] for rank, report in reports.items()}
+            results.append(({rank: reports[rank]["losses"] for rank in sorted(reports)}, reports[0]))
+    return results, output
 
 
 def mean_loss(losses, step):
